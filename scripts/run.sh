@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One entry point for a fresh clone:
+#   bash scripts/run.sh demo    compile the embedded tiny model with the passes and print the rewrite report
+#   bash scripts/run.sh test    run the test suite (CPU: Triton kernels under the interpreter)
+# The first call makes .venv: the CPU build of torch 2.13 (a local wheel on CPU machines) and this package.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import dsv41_passes, torch, triton" 2>/dev/null; then
+  "$PY" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  # pin the CPU torch first so the open range in pyproject does not pull a multi-GB CUDA build
+  .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==2.13.0"
+  .venv/bin/python -m pip install -q -e ".[triton,tilelang,dev]"
+fi
+cmd=${1:-demo}
+shift || true
+case "$cmd" in
+  demo) exec .venv/bin/python -m dsv41_passes demo "$@" ;;
+  test) exec .venv/bin/python -m pytest -q "$@" ;;
+  *) echo "usage: bash scripts/run.sh {demo|test} [args]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,91 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dsv41_passes.reference import CheckpointError, DeepseekV41Config, DeepseekV41ForCausalLM, load_checkpoint
+
+
+def quantize_fp8_block(w: torch.Tensor, block=(32, 32)):
+    """Test helper: DeepSeek-style FP8 block quantization with power-of-two (e8m0-exact) scales."""
+    n, k = w.shape
+    bn, bk = block
+    wf = w.float().reshape(n // bn, bn, k // bk, bk)
+    amax = wf.abs().amax(dim=(1, 3)).clamp_min(1e-4)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 448)))
+    q = (wf / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(n, k)
+    return q, scale
+
+
+def _state(model):
+    return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return DeepseekV41Config.tiny()
+
+
+@torch.inference_mode()
+def test_round_trip_with_fp8_block_weight(tmp_path, tiny):
+    src = DeepseekV41ForCausalLM(tiny, max_num_tokens=64, seed=1)
+    sd = _state(src)
+    fp8_name = "layers.0.attn.wq_b.weight"
+    q, scale = quantize_fp8_block(sd[fp8_name])
+    # the model that produced the checkpoint runs with the dequantized weight
+    with torch.no_grad():
+        deq = (q.float().reshape(8, 32, 1, 32) * scale[:, None, :, None]).reshape(q.shape).to(torch.bfloat16)
+        src.get_parameter(fp8_name).copy_(deq)
+    sd[fp8_name] = q
+    sd[fp8_name[: -len("weight")] + "scale"] = scale
+    names = sorted(sd)
+    half = len(names) // 2
+    shards = {"model-00001.safetensors": names[:half], "model-00002.safetensors": names[half:]}
+    for fname, keys in shards.items():
+        save_file({k: sd[k] for k in keys}, tmp_path / fname)
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: f for f, ks in shards.items() for k in ks}})
+    )
+    dst = DeepseekV41ForCausalLM(tiny, max_num_tokens=64, seed=2)
+    load_checkpoint(dst, tmp_path)
+    assert dst.get_parameter(fp8_name).dtype == torch.bfloat16
+    ids, pos = torch.randint(0, 256, (19,)), torch.arange(19)
+    src.reset_cache()
+    dst.reset_cache()
+    assert torch.equal(src(ids, pos), dst(ids, pos))
+
+
+def test_single_file_and_errors(tmp_path, tiny):
+    src = DeepseekV41ForCausalLM(tiny, max_num_tokens=64, seed=1)
+    sd = _state(src)
+    path = tmp_path / "model.safetensors"
+    save_file(sd, path)
+    dst = DeepseekV41ForCausalLM(tiny, max_num_tokens=64, seed=2)
+    load_checkpoint(dst, path)
+    assert torch.equal(dst.layers[1].hc_ffn_fn, src.layers[1].hc_ffn_fn)
+
+    missing = dict(sd)
+    del missing["layers.1.attn.wkv.weight"]
+    save_file(missing, tmp_path / "missing.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing tensors: layers\.1\.attn\.wkv\.weight"):
+        load_checkpoint(dst, tmp_path / "missing.safetensors")
+
+    extra = dict(sd, **{"layers.0.attn.compressor.wkv.weight": torch.zeros(2, 2)})
+    save_file(extra, tmp_path / "extra.safetensors")
+    with pytest.raises(CheckpointError, match=r"unexpected tensors: layers\.0\.attn\.compressor\.wkv\.weight"):
+        load_checkpoint(dst, tmp_path / "extra.safetensors")
+    load_checkpoint(dst, tmp_path / "extra.safetensors", strict=False)
+
+    bad = dict(sd, **{"layers.0.hc_attn_fn": torch.zeros(24, 100)})
+    save_file(bad, tmp_path / "bad.safetensors")
+    with pytest.raises(CheckpointError, match=r"layers\.0\.hc_attn_fn has shape \(24, 100\).*expects \(24, 256\)"):
+        load_checkpoint(dst, tmp_path / "bad.safetensors")
+
+    noscale = dict(sd, **{"layers.0.attn.wkv.weight": sd["layers.0.attn.wkv.weight"].to(torch.float8_e4m3fn)})
+    save_file(noscale, tmp_path / "noscale.safetensors")
+    with pytest.raises(CheckpointError, match=r"layers\.0\.attn\.wkv\.weight is FP8 but its scale tensor layers\.0\.attn\.wkv\.scale is missing"):
+        load_checkpoint(dst, tmp_path / "noscale.safetensors")
+
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(dst, tmp_path / "nope")
