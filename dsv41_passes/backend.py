@@ -1,0 +1,170 @@
+"""torch.compile entry points: the ``dsv41`` Dynamo backend, ``compile()`` and ``inductor_options()``.
+
+Nothing here mutates the global ``torch._inductor.config``: the pass manager and
+the determinism switches travel as per-compile config patches.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch._dynamo.utils import counters
+
+from .config import PassConfig
+from .pass_manager import PostGradPassManager
+from .report import RewriteReport, publish, reports
+
+
+def inductor_options(config: PassConfig | None = None) -> dict[str, Any]:
+    """Inductor config patches installing the passes (``torch.compile(options=...)``, ``compile_fx(config_patches=...)``).
+
+    In batch-invariant mode Inductor's own ``deterministic`` / ``batch_invariant``
+    switches are set too, where this torch has them.
+    """
+    config = config or PassConfig()
+    manager = PostGradPassManager(config)
+    opts: dict[str, Any] = {"post_grad_custom_post_pass": manager}
+    if manager.batch_invariant:
+        import torch._inductor.config as icfg
+
+        for name in ("deterministic", "batch_invariant"):
+            if hasattr(icfg, name):
+                opts[name] = True
+    return opts
+
+
+def _report_dir() -> Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    d = Path(cache_dir()) / "dsv41_reports"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _graph_key(gm: torch.fx.GraphModule, example_inputs: list[Any], manager: PostGradPassManager, extra: dict) -> str:
+    h = hashlib.sha256()
+    h.update(manager.uuid().encode())
+    h.update(gm.code.encode())
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            h.update(f"{tuple(x.shape)}|{x.dtype}|{x.device.type}|{tuple(x.stride())}".encode())
+        else:
+            h.update(repr(x).encode())
+    h.update(repr(sorted((k, repr(v)) for k, v in extra.items())).encode())
+    return h.hexdigest()
+
+
+def make_backend(config: PassConfig | None = None, options: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """A Dynamo backend running Inductor with the dsv41 passes (plus extra Inductor ``options``)."""
+    config = config or PassConfig()
+    user_opts = dict(options or {})
+    if "post_grad_custom_post_pass" in user_opts:
+        raise ValueError("options may not set post_grad_custom_post_pass: the dsv41 pass manager owns it")
+
+    def dsv41_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        from torch._inductor.compile_fx import compile_fx
+
+        if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+            if any(p.requires_grad for p in gm.parameters()) or any(
+                isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs
+            ):
+                warnings.warn(
+                    "dsv41: compiling with grad enabled; saved activations keep the patterns from matching. "
+                    "Run the model under torch.inference_mode() (dsv41_passes.compile does).",
+                    stacklevel=2,
+                )
+        patches = inductor_options(config) | user_opts
+        manager = patches["post_grad_custom_post_pass"]
+        key = _graph_key(gm, example_inputs, manager, user_opts)
+        before = len(reports())
+        last_before = reports()[-1] if before else None
+        hits = counters["inductor"]["fxgraph_cache_hit"]
+        compiled = compile_fx(gm, example_inputs, config_patches=patches)
+        ran = reports() and reports()[-1] is not last_before
+        path = _report_dir() / f"{key}.json"
+        if ran:
+            try:
+                reports()[-1].save(path)
+            except OSError:
+                pass
+        elif counters["inductor"]["fxgraph_cache_hit"] > hits and path.exists():
+            rep = RewriteReport.load(path)
+            rep.from_cache = True
+            publish(rep)
+        return compiled
+
+    return dsv41_backend
+
+
+def dsv41_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    """The backend registered as ``"dsv41"``: default PassConfig (batch-invariant mode follows the global one)."""
+    return make_backend()(gm, example_inputs)
+
+
+def compile(model_or_fn: Any, config: PassConfig | None = None, **torch_compile_kwargs: Any) -> Callable[..., Any]:
+    """``torch.compile`` with the dsv41 passes.
+
+    * the returned callable enters ``torch.inference_mode()`` itself (the patterns
+      need a graph without saved activations);
+    * dim 0 (the token dimension) of every tensor argument is marked dynamic, so one
+      graph serves every token count from 2 up (a call with M = 1 gets its own graph);
+    * with ``config.batch_invariant=None`` the global mode is read at each call; a
+      change of mode compiles a graph for the new mode rather than running the old one.
+
+    ``options=`` adds Inductor options; other keyword arguments go to ``torch.compile``.
+    """
+    config = config or PassConfig()
+    options = dict(torch_compile_kwargs.pop("options", None) or {})
+    if torch_compile_kwargs.pop("backend", None) is not None:
+        raise ValueError("dsv41_passes.compile chooses the backend; use torch.compile(backend='dsv41') instead")
+    if torch_compile_kwargs.get("mode") not in (None, "default"):
+        raise ValueError("mode= is not supported; pass Inductor options through options=")
+    torch_compile_kwargs.pop("mode", None)
+    compiled: dict[bool, Callable[..., Any]] = {}
+
+    def for_mode(bi: bool) -> Callable[..., Any]:
+        if bi not in compiled:
+            backend = _pinned(make_backend(config, options), bi)
+            compiled[bi] = torch.compile(model_or_fn, backend=backend, **torch_compile_kwargs)
+        return compiled[bi]
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        bi = config.resolved_batch_invariant()
+        fn = for_mode(bi)
+        for t in (*args, *kwargs.values()):
+            if isinstance(t, torch.Tensor) and t.dim() >= 1:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        with torch.inference_mode():
+            return fn(*args, **kwargs)
+
+    if isinstance(model_or_fn, torch.nn.Module):
+        functools.update_wrapper(run, model_or_fn.forward)
+    else:
+        functools.update_wrapper(run, model_or_fn)
+    run._dsv41_compiled = compiled  # type: ignore[attr-defined]
+    return run
+
+
+def _pinned(backend: Callable[..., Any], bi: bool) -> Callable[..., Any]:
+    """Compile under the mode this backend is for (the pass manager reads it when it is built)."""
+    from .guards import batch_invariant as _bi
+
+    def run(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        with _bi(bi):
+            return backend(gm, example_inputs)
+
+    return run
+
+
+def register() -> None:
+    """Register ``"dsv41"`` with Dynamo (the package entry point does the same lazily)."""
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if "dsv41" not in _BACKENDS or _BACKENDS["dsv41"] is None:
+        register_backend(name="dsv41")(dsv41_backend)
+

@@ -1,0 +1,60 @@
+"""PassConfig: what the passes rewrite and how the fused ops choose kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from .guards import is_batch_invariant
+
+FAMILIES = ("mhc", "rope_store", "wo_a")
+_PROVIDERS = ("tilelang", "triton", "reference")
+
+
+@dataclass(frozen=True)
+class PassConfig:
+    """Switches of the dsv41 passes.
+
+    mhc, rope_store, wo_a: fusion families on/off.
+    batch_invariant: True/False, or None to follow the global mode
+        (``dsv41_passes.batch_invariant()`` / ``DSV41_BATCH_INVARIANT=1``) at compile time.
+    providers: kernel priority; the fused op runs the first provider that supports its inputs.
+    dump_dir: write before/after graphs, every registered pattern and the report there.
+    static_weights: the mHC projection's derived (split) weights are built once; an in-place
+        weight update is then rejected with an error instead of refreshing them.
+    """
+
+    mhc: bool = True
+    rope_store: bool = True
+    wo_a: bool = True
+    batch_invariant: bool | None = None
+    providers: tuple[str, ...] = _PROVIDERS
+    dump_dir: str | None = None
+    static_weights: bool = False
+
+    def __post_init__(self) -> None:
+        provs = tuple(self.providers)
+        object.__setattr__(self, "providers", provs)
+        bad = [p for p in provs if p not in _PROVIDERS]
+        if bad or not provs:
+            raise ValueError(f"PassConfig.providers: unknown {bad} (choose from {_PROVIDERS})")
+        if "reference" not in provs:
+            raise ValueError("PassConfig.providers must keep 'reference' as the last resort")
+
+    def resolved_batch_invariant(self) -> bool:
+        return is_batch_invariant() if self.batch_invariant is None else bool(self.batch_invariant)
+
+    def families(self) -> tuple[str, ...]:
+        return tuple(f for f in FAMILIES if getattr(self, f))
+
+    def cache_key(self) -> dict[str, Any]:
+        """Everything that changes the rewritten graph (dump_dir does not)."""
+        d = dataclasses.asdict(self)
+        d.pop("dump_dir")
+        d["batch_invariant"] = self.resolved_batch_invariant()
+        d["providers"] = list(self.providers)
+        return d
+
+    def replace(self, **changes: Any) -> "PassConfig":
+        return dataclasses.replace(self, **changes)

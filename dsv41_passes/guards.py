@@ -1,0 +1,47 @@
+"""Global guard state: batch-invariant mode.
+
+``batch_invariant(enabled=True)`` sets the mode at once and, used as a context
+manager, restores the previous mode on exit. ``DSV41_BATCH_INVARIANT=1`` turns it
+on for the process. A graph compiled in one mode bakes that mode into its fused
+ops; running it after the mode changed raises (see ``check_mode``), and
+``dsv41_passes.compile`` recompiles for the new mode instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _env_default() -> bool:
+    return os.environ.get("DSV41_BATCH_INVARIANT", "0").lower() in ("1", "true", "on", "yes")
+
+
+_STATE = {"batch_invariant": _env_default()}
+
+
+def is_batch_invariant() -> bool:
+    return _STATE["batch_invariant"]
+
+
+class batch_invariant:  # noqa: N801  (used like a function)
+    """Turn batch-invariant mode on (or off); as a context manager, restore the old mode on exit."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.previous = _STATE["batch_invariant"]
+        _STATE["batch_invariant"] = bool(enabled)
+
+    def __enter__(self) -> "batch_invariant":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _STATE["batch_invariant"] = self.previous
+
+
+def check_mode(compiled_batch_invariant: bool, follows_global: bool) -> None:
+    """Raise when a graph that follows the global mode runs under the other mode."""
+    if follows_global and compiled_batch_invariant != _STATE["batch_invariant"]:
+        raise RuntimeError(
+            "dsv41: this graph was compiled with batch_invariant="
+            f"{compiled_batch_invariant}, but batch-invariant mode is now {_STATE['batch_invariant']}. "
+            "Recompile (dsv41_passes.compile does this automatically) or pin PassConfig(batch_invariant=...)."
+        )

@@ -1,0 +1,110 @@
+"""Providers of the fused ops and how one is chosen.
+
+Every fused op has a ``reference`` provider (plain torch, runs anywhere, the
+numerics oracle) and may have ``triton`` and ``tilelang`` ones. A provider
+declares ``supported(*args, batch_invariant=...) -> str | None`` (``None`` when
+it can run these arguments, else the reason it cannot). The op walks the
+priority list baked into the graph and runs the first provider that accepts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+ProviderFn = Callable[..., Any]
+SupportFn = Callable[..., "str | None"]
+
+PROVIDER_NAMES = ("tilelang", "triton", "reference")
+
+
+@dataclass(frozen=True)
+class Provider:
+    op: str
+    name: str
+    fn: ProviderFn
+    supported: SupportFn
+
+
+_REGISTRY: dict[str, dict[str, Provider]] = {}
+
+
+def register_provider(op: str, name: str, supported: SupportFn | None = None) -> Callable[[ProviderFn], ProviderFn]:
+    if name not in PROVIDER_NAMES:
+        raise ValueError(f"unknown provider {name!r}; expected one of {PROVIDER_NAMES}")
+
+    def deco(fn: ProviderFn) -> ProviderFn:
+        _REGISTRY.setdefault(op, {})[name] = Provider(op, name, fn, supported or (lambda *a, **k: None))
+        return fn
+
+    return deco
+
+
+def providers_of(op: str) -> dict[str, Provider]:
+    return dict(_REGISTRY.get(op, {}))
+
+
+def choose(op: str, priority: str, batch_invariant: bool, *args: Any) -> tuple[Provider | None, list[str]]:
+    """First provider in ``priority`` (comma-separated) that supports ``args``; plus why others declined."""
+    why: list[str] = []
+    table = _REGISTRY.get(op, {})
+    for name in priority.split(","):
+        p = table.get(name)
+        if p is None:
+            why.append(f"{name}: not implemented for {op}")
+            continue
+        reason = p.supported(*args, batch_invariant=batch_invariant)
+        if reason is None:
+            return p, why
+        why.append(f"{name}: {reason}")
+    return None, why
+
+
+def encode_mode(batch_invariant: bool, follows_global: bool) -> int:
+    """The ``mode`` argument every fused op carries: bit 0 batch-invariant, bit 1 follows the global mode."""
+    return int(bool(batch_invariant)) | (2 if follows_global else 0)
+
+
+def decode_mode(mode: int) -> tuple[bool, bool]:
+    return bool(mode & 1), bool(mode & 2)
+
+
+def dispatch(op: str, priority: str, mode: int, *args: Any) -> Any:
+    from ..guards import check_mode
+
+    batch_invariant, follows = decode_mode(mode)
+    check_mode(batch_invariant, follows)
+    p, why = choose(op, priority, batch_invariant, *args)
+    if p is None:
+        raise RuntimeError(f"dsv41::{op}: no provider can run these inputs ({'; '.join(why)})")
+    return p.fn(*args, batch_invariant=batch_invariant)
+
+
+# ---------------------------------------------------------------- availability
+def triton_available(t: torch.Tensor) -> str | None:
+    """Triton runs CUDA tensors, or CPU tensors under TRITON_INTERPRET=1."""
+    try:
+        import triton  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the install
+        return "triton is not installed"
+    if t.device.type == "cuda":
+        return None
+    if t.device.type in ("cpu", "meta") and os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return f"{t.device.type} tensors need CUDA or TRITON_INTERPRET=1"
+
+
+def tilelang_available(t: torch.Tensor) -> str | None:
+    if t.device.type != "cuda":
+        return "TileLang kernels need a CUDA device"
+    try:
+        import tilelang  # noqa: F401
+    except Exception:
+        return "tilelang is not installed"
+    major, minor = torch.cuda.get_device_capability(t.device)
+    if (major, minor) != (9, 0):
+        return f"TileLang kernels are built for sm_90a, device is sm_{major}{minor}"
+    return None

@@ -1,0 +1,190 @@
+"""The one post-grad pass the library installs (``post_grad_custom_post_pass``).
+
+Fixed order, each stage timed and reported:
+
+1. ``normalize``  view -> reshape, identity permutes removed (what the patterns are traced against);
+2. ``mhc``        mHC stats, collapse (+ RMSNorm), post;
+3. ``rope_store`` Q RoPE + padded-Q store, KV norm + RoPE + FP8 + cache store;
+4. ``wo_a``       inverse RoPE + grouped low-rank output projection;
+5. ``cleanup``    dead-code elimination, lint.
+
+``uuid()`` hashes the PassConfig (batch-invariant mode resolved), the source of
+every pattern, lowering and kernel module, and the torch/triton/tilelang versions,
+so Inductor's FX graph cache never replays a graph rewritten under other rules.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from .config import PassConfig
+from .patterns import GROUPS, PassContext, pass_context
+from .report import RewriteReport, SiteRow, graph_to_node_link, publish
+
+log = logging.getLogger("dsv41_passes")
+_PKG = Path(__file__).resolve().parent
+_HASHED_DIRS = ("patterns", "lowering")
+_HASHED_FILES = ("pass_manager.py", "config.py", "guards.py", "tuning.py", "fusion.py")
+
+
+def _versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {"torch": torch.__version__}
+    for name in ("triton", "tilelang"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def source_files() -> list[Path]:
+    files = [_PKG / f for f in _HASHED_FILES if (_PKG / f).exists()]
+    for d in _HASHED_DIRS:
+        files += sorted((_PKG / d).rglob("*.py"))
+    return files
+
+
+def source_hash() -> str:
+    h = hashlib.sha256()
+    for f in source_files():
+        h.update(str(f.relative_to(_PKG)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def normalize(graph: fx.Graph) -> int:
+    """view -> reshape and identity-permute removal; returns the number of nodes changed."""
+    n = 0
+    aten = torch.ops.aten
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target == aten.view.default:
+            node.target = aten.reshape.default
+            n += 1
+        elif node.target == aten.permute.default and list(node.args[1]) == list(range(len(node.args[1]))):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            n += 1
+    return n
+
+
+class PostGradPassManager(CustomGraphPass):
+    def __init__(self, config: PassConfig | None = None) -> None:
+        self.config = config or PassConfig()
+        self.follows_global = self.config.batch_invariant is None
+        # the mode is fixed when the manager is built (compile time)
+        self.batch_invariant = self.config.resolved_batch_invariant()
+
+    # ------------------------------------------------------------- identity
+    def uuid(self) -> str:
+        payload = {
+            "config": self.config.cache_key() | {"batch_invariant": self.batch_invariant},
+            "follows_global": self.follows_global,
+            "source": source_hash(),
+            "versions": _versions(),
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+    # ------------------------------------------------------------- running
+    def __call__(self, graph: fx.Graph) -> None:
+        cfg = self.config
+        report = RewriteReport(config=cfg.cache_key() | {"batch_invariant": self.batch_invariant})
+        report.before = str(graph)
+        ctx = PassContext(",".join(cfg.providers), self.batch_invariant, self.follows_global)
+        timings: dict[str, float] = {}
+
+        def stage(name: str, fn: Any) -> Any:
+            t = time.perf_counter()
+            out = fn()
+            timings[name] = timings.get(name, 0.0) + time.perf_counter() - t
+            return out
+
+        with pass_context(ctx):
+            stage("normalize", lambda: normalize(graph))
+            for fam in ("mhc", "rope_store", "wo_a"):
+                if getattr(cfg, fam) and fam in GROUPS:
+                    group = GROUPS[fam]
+                    stage(fam, lambda g=group: g.apply(graph))
+            stage("cleanup", lambda: (graph.eliminate_dead_code(), graph.lint()))
+
+        report.pass_seconds = timings
+        report.after = str(graph)
+        report.graph_json = graph_to_node_link(graph)
+        for site in ctx.sites.values():
+            rewritten = site.rewritten or getattr(site.anchor, "_erased", False)
+            report.rows.append(
+                SiteRow(
+                    kind=site.kind,
+                    location=site.location,
+                    layer=site.layer,
+                    status="rewritten" if rewritten else "skipped",
+                    provider=site.provider if rewritten else None,
+                    op=site.fused_into or site.kind,
+                    reason=site.note if rewritten else "; ".join(site.reasons),
+                    source=site.source,
+                )
+            )
+        counts = report.sites
+        for fam in cfg.families():
+            kinds = FAMILY_KINDS.get(fam, ())
+            if fam in GROUPS and not any(counts.get(k) for k in kinds):
+                msg = f"family '{fam}' is enabled but rewrote no site in this graph"
+                if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+                    msg += " (grad mode is on: saved activations block the patterns; compile under inference_mode)"
+                report.warnings.append(msg)
+                log.warning("dsv41: %s", msg)
+        if cfg.dump_dir:
+            _dump(cfg.dump_dir, report)
+        publish(report)
+
+
+FAMILY_KINDS = {
+    "mhc": ("mhc_stats", "mhc_collapse", "mhc_post"),
+    "rope_store": ("q_rope_store", "kv_rope_store"),
+    "wo_a": ("wo_a",),
+}
+
+
+def pattern_dump() -> str:
+    """Every registered pattern, pretty-printed, grouped by family."""
+    from torch._inductor.pattern_matcher import PatternPrettyPrinter
+
+    out = []
+    for fam, group in GROUPS.items():
+        group.pass_  # register
+        out.append(f"# ===== family {fam}: {len(group.registered)} patterns"
+                   f" ({len(group.duplicates)} spellings traced to an existing pattern: {group.duplicates})")
+        for name, expr in group.registered:
+            out.append(f"# --- {name}")
+            try:
+                out.append(PatternPrettyPrinter.run(expr))
+            except Exception as e:  # printing is best effort
+                out.append(f"# (could not print: {e})")
+    return "\n".join(out)
+
+
+_DUMP_COUNT = [0]
+
+
+def _dump(dump_dir: str, report: RewriteReport) -> None:
+    os.makedirs(dump_dir, exist_ok=True)
+    i = _DUMP_COUNT[0]
+    _DUMP_COUNT[0] += 1
+    Path(dump_dir, f"graph{i}.before.txt").write_text(report.before)
+    Path(dump_dir, f"graph{i}.after.txt").write_text(report.after)
+    Path(dump_dir, f"graph{i}.report.md").write_text(report.to_markdown())
+    report.save(Path(dump_dir, f"graph{i}.report.json"))
+    Path(dump_dir, "patterns.txt").write_text(pattern_dump())

@@ -1,0 +1,154 @@
+"""Kernel tactics: per-op, per-shape, per-M-bucket launch configs, and their persistent cache.
+
+A fused op asks :func:`tactic` for its config at run time, so M never enters a
+compiled graph or a kernel binary: one binary per config serves every M.
+
+* batch-invariant mode: :func:`tactic` always returns the op's fixed default
+  (a config whose per-row arithmetic does not depend on M); tuned entries are
+  ignored and tuning is skipped;
+* ``DSV41_TACTICS=off``: the cache is neither read nor written, defaults only;
+* ``save_tactics`` / ``load_tactics`` keep tuned entries with metadata (device,
+  capability, torch/triton/tilelang and library versions). A mismatch or a
+  corrupt file is rejected with a warning; loading merges and never drops
+  entries already tuned in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import warnings
+from typing import Any
+
+import torch
+
+MAX_TOKENS = 65536
+_FORMAT = 1
+_LOCK = threading.Lock()
+_TABLE: dict[str, dict[str, Any]] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("DSV41_TACTICS", "on").lower() not in ("off", "0", "false", "no")
+
+
+def bucket(m: int) -> int:
+    """Upper edge of the power-of-two bucket holding ``m`` (1, 2, 4, ..., 65536; larger M share the top one)."""
+    b = 1
+    while b < m and b < MAX_TOKENS:
+        b <<= 1
+    return b
+
+
+def buckets(max_tokens: int = MAX_TOKENS) -> list[int]:
+    out, b = [], 1
+    while b <= min(max_tokens, MAX_TOKENS):
+        out.append(b)
+        b <<= 1
+    return out
+
+
+def _key(op: str, shape_key: dict[str, Any], m_bucket: int) -> str:
+    dims = ",".join(f"{k}={shape_key[k]}" for k in sorted(shape_key))
+    return f"{op}|{dims}|{m_bucket}"
+
+
+def tactic(
+    op: str, m: int, shape_key: dict[str, Any], default: dict[str, Any], batch_invariant: bool = False
+) -> dict[str, Any]:
+    if batch_invariant or not enabled():
+        return default
+    hit = _TABLE.get(_key(op, shape_key, bucket(m)))
+    return hit if hit is not None else default
+
+
+def record(op: str, m_bucket: int, shape_key: dict[str, Any], config: dict[str, Any]) -> None:
+    if not enabled():
+        return
+    with _LOCK:
+        _TABLE[_key(op, shape_key, m_bucket)] = dict(config)
+
+
+def entries() -> dict[str, dict[str, Any]]:
+    return {k: dict(v) for k, v in _TABLE.items()}
+
+
+def clear() -> None:
+    with _LOCK:
+        _TABLE.clear()
+
+
+def metadata(device: torch.device | None = None) -> dict[str, Any]:
+    from . import __version__
+
+    meta: dict[str, Any] = {"format": _FORMAT, "dsv41_passes": __version__, "torch": torch.__version__}
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except Exception:
+        meta["triton"] = None
+    try:
+        from importlib.metadata import version
+
+        meta["tilelang"] = version("tilelang")
+    except Exception:
+        meta["tilelang"] = None
+    if torch.cuda.is_available():
+        dev = device or torch.device("cuda", torch.cuda.current_device())
+        meta["device"] = torch.cuda.get_device_name(dev)
+        meta["capability"] = list(torch.cuda.get_device_capability(dev))
+    else:
+        meta["device"] = "cpu"
+        meta["capability"] = None
+    return meta
+
+
+def save_tactics(path: str | os.PathLike[str]) -> int:
+    """Write the tuned entries with this process's metadata; returns the number of entries."""
+    if not enabled():
+        warnings.warn("DSV41_TACTICS=off: tactics are not saved", stacklevel=2)
+        return 0
+    data = {"meta": metadata(), "entries": entries()}
+    tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+    return len(data["entries"])
+
+
+def load_tactics(path: str | os.PathLike[str]) -> int:
+    """Merge entries from ``path`` into the table; returns how many were added.
+
+    Entries already tuned in this process win over the file's. A corrupt file or
+    one written for another device or software stack is rejected with a warning.
+    """
+    if not enabled():
+        warnings.warn("DSV41_TACTICS=off: tactics file ignored", stacklevel=2)
+        return 0
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        meta, ents = data["meta"], data["entries"]
+        if not isinstance(ents, dict) or not all(isinstance(v, dict) for v in ents.values()):
+            raise ValueError("entries is not a mapping of configs")
+    except FileNotFoundError:
+        warnings.warn(f"tactics file {path} does not exist; nothing loaded", stacklevel=2)
+        return 0
+    except Exception as e:  # corrupt JSON, wrong structure
+        warnings.warn(f"tactics file {path} is corrupt ({type(e).__name__}: {e}); ignored", stacklevel=2)
+        return 0
+    mine = metadata()
+    diff = sorted(k for k in mine if meta.get(k) != mine[k])
+    if diff:
+        detail = ", ".join(f"{k}: file {meta.get(k)!r} vs here {mine[k]!r}" for k in diff)
+        warnings.warn(f"tactics file {path} was tuned elsewhere ({detail}); ignored", stacklevel=2)
+        return 0
+    added = 0
+    with _LOCK:
+        for k, v in ents.items():
+            if k not in _TABLE:
+                _TABLE[k] = dict(v)
+                added += 1
+    return added
