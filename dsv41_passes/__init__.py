@@ -14,6 +14,7 @@ Public API::
 
 __version__ = "0.1.0"
 
+from . import lowering  # noqa: E402,F401  (registers torch.ops.dsv41.*: compiled graphs call them, also on cache hits)
 from .backend import compile, dsv41_backend, inductor_options, make_backend, register  # noqa: E402
 from .config import PassConfig  # noqa: E402
 from .guards import batch_invariant, is_batch_invariant  # noqa: E402

@@ -29,6 +29,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .config import PassConfig
 from .patterns import GROUPS, PassContext, pass_context
+from .patterns.base import normalize
 from .report import RewriteReport, SiteRow, graph_to_node_link, publish
 
 log = logging.getLogger("dsv41_passes")
@@ -62,23 +63,6 @@ def source_hash() -> str:
         h.update(str(f.relative_to(_PKG)).encode())
         h.update(f.read_bytes())
     return h.hexdigest()
-
-
-def normalize(graph: fx.Graph) -> int:
-    """view -> reshape and identity-permute removal; returns the number of nodes changed."""
-    n = 0
-    aten = torch.ops.aten
-    for node in list(graph.nodes):
-        if node.op != "call_function":
-            continue
-        if node.target == aten.view.default:
-            node.target = aten.reshape.default
-            n += 1
-        elif node.target == aten.permute.default and list(node.args[1]) == list(range(len(node.args[1]))):
-            node.replace_all_uses_with(node.args[0])
-            graph.erase_node(node)
-            n += 1
-    return n
 
 
 class PostGradPassManager(CustomGraphPass):

@@ -16,7 +16,7 @@ fi
 cmd=${1:-demo}
 shift || true
 case "$cmd" in
-  demo) exec .venv/bin/python -m dsv41_passes demo "$@" ;;
+  demo) exec .venv/bin/python -m dsv41_passes inspect --model tiny "$@" ;;
   test) exec .venv/bin/python -m pytest -q "$@" ;;
   *) echo "usage: bash scripts/run.sh {demo|test} [args]" >&2; exit 2 ;;
 esac

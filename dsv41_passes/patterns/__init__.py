@@ -11,8 +11,22 @@ def _mhc():
     return mhc.patterns()
 
 
+def _rope_store():
+    from . import rope_store
+
+    return rope_store.patterns()
+
+
+def _wo_a():
+    from . import wo_a
+
+    return wo_a.patterns()
+
+
 GROUPS: dict[str, PatternGroup] = {
     "mhc": PatternGroup("mhc", _mhc),
+    "rope_store": PatternGroup("rope_store", _rope_store),
+    "wo_a": PatternGroup("wo_a", _wo_a),
 }
 
 __all__ = ["FusionPattern", "GROUPS", "PassContext", "PatternGroup", "Site", "Spelling", "pass_context"]

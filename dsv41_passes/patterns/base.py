@@ -4,11 +4,12 @@ A :class:`FusionPattern` is one site kind (``mhc_post``, ...) with one search
 function per spelling, one replacement, example-input factories (run under a
 fresh ``FakeTensorMode`` with an odd token count) and a domain check.
 
-Inductor's matcher treats every int, float, list, dtype and device literal of a
-traced pattern as a wildcard. Each candidate is therefore re-verified here
-against the spelling's traced graph, node by node: op targets, and every
-literal except shape arguments (reshape sizes, fills) and the example token
-count, with dims normalised by rank. Only then does the pattern's domain check
+Inductor's coarse match treats every int, float, list, dtype and device literal
+of a traced pattern as a wildcard. We hand Inductor that coarse pattern
+pre-traced and verify each candidate ourselves against the spelling's traced
+graph, node by node: op targets, and every literal except shape arguments
+(reshape sizes, fills) and the example token count, with dims normalised by
+rank (Inductor's own exact re-trace would reject near misses silently). Only then does the pattern's domain check
 (dtypes, dims, contiguity, eps ranges) run. Whatever fails is reported as a
 skipped site with the reason; the original subgraph stays.
 """
@@ -24,7 +25,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
-from torch._inductor.pattern_matcher import Match, PatternMatcherPass, fwd_only, register_replacement
+from torch._inductor.pattern_matcher import Match, PatternMatcherPass, fwd_only, fx_to_pattern, register_replacement
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 M_EX = 7  # example token count of every pattern trace; no other example dim may equal it
@@ -64,13 +65,43 @@ DIM_ARGS: dict[Any, tuple[int, int]] = {
 }
 
 
-def trace(fn: Callable[..., Any], args: Any, **kwargs: Any) -> fx.GraphModule:
-    """Inductor's ``fwd_only`` followed by view -> reshape, the normalisation post-grad graphs carry."""
-    from torch._inductor.fx_passes.post_grad import view_to_reshape
+def normalize(graph: fx.Graph) -> int:
+    """Canonical forms shared by patterns and model graphs; returns the number of nodes changed.
 
+    view -> reshape (Inductor does this before custom post-grad passes), and permute
+    chains folded into one permute or removed when they compose to the identity
+    (Inductor's joint-graph passes remove such pairs from the model graph, so the
+    traced patterns must lose them too).
+    """
+    n = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target == aten.view.default:
+            node.target = aten.reshape.default
+            n += 1
+        elif node.target == aten.permute.default:
+            src, perm = node.args[0], list(node.args[1])
+            if isinstance(src, fx.Node) and src.target == aten.permute.default and len(src.users) == 1:
+                inner = list(src.args[1])
+                perm = [inner[p] for p in perm]
+                node.args = (src.args[0], perm)
+                graph.erase_node(src)
+                src = node.args[0]
+                n += 1
+            if perm == list(range(len(perm))):
+                node.replace_all_uses_with(src)
+                graph.erase_node(node)
+                n += 1
+    return n
+
+
+def trace(fn: Callable[..., Any], args: Any, **kwargs: Any) -> fx.GraphModule:
+    """Inductor's ``fwd_only`` followed by :func:`normalize`, the forms post-grad graphs carry."""
     params = inspect.signature(fwd_only).parameters
     gm = fwd_only(fn, args, **{k: v for k, v in kwargs.items() if k in params})
-    view_to_reshape(gm)
+    normalize(gm.graph)
+    gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
 
@@ -188,6 +219,9 @@ def _rank(n: Any) -> int | None:
 
 
 def _is_int(x: Any) -> bool:
+    """An int, a SymInt, or a graph node producing one (symbolic sizes in post-grad graphs)."""
+    if isinstance(x, fx.Node):
+        x = x.meta.get("val")
     return isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool)
 
 
@@ -227,7 +261,7 @@ class _Verifier:
         return None
 
     def arg(self, op: Any, pos: Any, ra: Any, ga: Any, rank: tuple[int | None, int | None]) -> str | None:
-        if isinstance(ra, fx.Node):
+        if isinstance(ra, fx.Node) and not _is_int(ra):
             return self.node(ra, ga)
         if isinstance(ra, (list, tuple)):
             if not isinstance(ga, (list, tuple)) or len(ra) != len(ga):
@@ -297,6 +331,15 @@ class PatternGroup:
                 with FakeTensorMode():
                     inputs = sp.example_inputs()
                     ref_gm = trace(sp.search, inputs)
+                    # The coarse pattern (literals as wildcards) is handed to Inductor pre-traced, so
+                    # the candidate reaches our check, which verifies every literal against ref_gm
+                    # and can say why a near miss was skipped (Inductor's own re-trace is silent).
+                    coarse = fx_to_pattern(
+                        ref_gm,
+                        ignore_types=(int, float, list, torch.device, torch.dtype),
+                        argnames=list(inspect.signature(sp.search).parameters),
+                        scalar_workaround=dict(sp.scalars),
+                    )
                     expr = register_replacement(
                         sp.search,
                         _replacement(pat, sp),
@@ -305,6 +348,7 @@ class PatternGroup:
                         pm_pass,
                         extra_check=_extra_check(pat, sp, ref_gm),
                         scalar_workaround=dict(sp.scalars),
+                        search_fn_pattern=coarse,
                         skip_duplicates=True,
                     )
                 if expr is False:

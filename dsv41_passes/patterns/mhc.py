@@ -1,8 +1,8 @@
 """mHC patterns: the post (combine).
 
 ``mhc_post``: ``out[:, k] = post[:, k] * y + sum_j comb[:, j, k] * res[:, j]`` in
-fp32, one bf16 rounding. Spellings: the reference broadcast-sum (either
-addition order), einsum, and ``comb^T @ res``.
+fp32, one bf16 rounding. Spellings: the combine term as the reference
+broadcast-sum, an einsum or ``comb^T @ res``, each with either addition order.
 """
 
 from __future__ import annotations
@@ -26,24 +26,37 @@ def _post_inputs():
     ]
 
 
-def post_broadcast_sum(y, res, post, comb):
-    out = post.unsqueeze(-1) * y.unsqueeze(1) + (comb.unsqueeze(-1) * res.unsqueeze(2)).sum(1)
-    return out.to(BF16)
+def _res_broadcast_sum(res, comb):
+    return (comb.unsqueeze(-1) * res.unsqueeze(2)).sum(1)
 
 
-def post_broadcast_sum_swapped(y, res, post, comb):
-    out = (comb.unsqueeze(-1) * res.unsqueeze(2)).sum(1) + post.unsqueeze(-1) * y.unsqueeze(1)
-    return out.to(BF16)
+def _res_einsum(res, comb):
+    return torch.einsum("mjk,mjd->mkd", comb, res.float())
 
 
-def post_einsum(y, res, post, comb):
-    out = post.unsqueeze(-1) * y.unsqueeze(1) + torch.einsum("mjk,mjd->mkd", comb, res.float())
-    return out.to(BF16)
+def _res_matmul(res, comb):
+    return torch.matmul(comb.transpose(1, 2), res.float())
 
 
-def post_matmul(y, res, post, comb):
-    out = post.unsqueeze(-1) * y.unsqueeze(1) + torch.matmul(comb.transpose(1, 2), res.float())
-    return out.to(BF16)
+def _post_spelling(res_term, post_first: bool):
+    if post_first:
+
+        def search(y, res, post, comb):
+            return (post.unsqueeze(-1) * y.unsqueeze(1) + res_term(res, comb)).to(BF16)
+
+    else:
+
+        def search(y, res, post, comb):
+            return (res_term(res, comb) + post.unsqueeze(-1) * y.unsqueeze(1)).to(BF16)
+
+    return search
+
+
+POST_SPELLINGS = {
+    f"{name}{'' if first else '_res_first'}": _post_spelling(fn, first)
+    for name, fn in (("broadcast_sum", _res_broadcast_sum), ("einsum", _res_einsum), ("matmul", _res_matmul))
+    for first in (True, False)
+}
 
 
 def _post_check(v) -> str | None:
@@ -74,12 +87,7 @@ def patterns() -> list[FusionPattern]:
             kind="mhc_post",
             family="mhc",
             op="mhc_post",
-            spellings=[
-                Spelling("broadcast_sum", post_broadcast_sum, _post_inputs),
-                Spelling("broadcast_sum_swapped", post_broadcast_sum_swapped, _post_inputs),
-                Spelling("einsum", post_einsum, _post_inputs),
-                Spelling("matmul", post_matmul, _post_inputs),
-            ],
+            spellings=[Spelling(name, fn, _post_inputs) for name, fn in POST_SPELLINGS.items()],
             replace=_post_replace,
             check=_post_check,
             provider_args=lambda v: (v["y"], v["res"], v["post"], v["comb"]),

@@ -91,7 +91,7 @@ class BatchMeta:
             start_pos = positions[:1].expand(m)
             last_pos = positions[-1:].expand(m)
         else:
-            seq_id = torch.searchsorted(cu_seqlens[1:], tok, right=True)
+            seq_id = torch.searchsorted(cu_seqlens, tok, right=True) - 1  # no size-B tensor: B = 1 needs no own graph
             start_pos = positions[cu_seqlens[seq_id]]
             last_pos = positions[cu_seqlens[seq_id + 1] - 1]
         slot_of_seq = seq_id if seq_slots is None else seq_slots[seq_id]

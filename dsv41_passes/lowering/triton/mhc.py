@@ -13,13 +13,14 @@ import triton
 import triton.language as tl
 
 from ...tuning import tactic
+from .common import INTERPRET, rne_bf16
 
 
 @triton.jit
 def _mhc_post_kernel(
     y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr,
     stride_y, stride_r, stride_o,
-    D: tl.constexpr, BLOCK_D: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, INTERP: tl.constexpr,
 ):
     # one program = one token x BLOCK_D hidden columns, all 4 streams
     row = tl.program_id(0).to(tl.int64)
@@ -38,7 +39,7 @@ def _mhc_post_kernel(
         acc += tl.load(cbase + 4 + k) * r1
         acc += tl.load(cbase + 8 + k) * r2
         acc += tl.load(cbase + 12 + k) * r3
-        out = tl.load(post_ptr + row * 4 + k) * y + acc
+        out = rne_bf16(tl.load(post_ptr + row * 4 + k) * y + acc, INTERP)
         tl.store(out_ptr + row * stride_o + k * D + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -55,6 +56,6 @@ def mhc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch
     block = min(cfg["BLOCK_D"], triton.next_power_of_2(d))
     _mhc_post_kernel[(m, triton.cdiv(d, block))](
         y, res, post, comb, out, y.stride(0), res.stride(0), out.stride(0),
-        D=d, BLOCK_D=block, num_warps=cfg["num_warps"],
+        D=d, BLOCK_D=block, INTERP=INTERPRET, num_warps=cfg["num_warps"],
     )
     return out

@@ -1,0 +1,125 @@
+"""Shared benchmark plumbing: timing, measured rooflines, result tables and JSON.
+
+Timing: CUDA-graph replay of the op (launch gaps removed; every M, small ones
+included), median of several replays via ``triton.testing.do_bench`` when
+available. Rooflines come from numbers measured in the same run: a large
+device-to-device copy (bytes read + written) for HBM, a large bf16 GEMM for the
+tensor cores.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def versions() -> dict[str, Any]:
+    out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("triton", "tilelang", "tile_kernels"):
+        try:
+            mod = __import__(name)
+            out[name] = getattr(mod, "__version__", "unknown")
+        except Exception:
+            out[name] = None
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        out["device"] = p.name
+        out["capability"] = f"{p.major}.{p.minor}"
+        out["sms"] = p.multi_processor_count
+        out["cuda"] = torch.version.cuda
+    else:
+        out["device"] = "cpu"
+    return out
+
+
+def _median_ms(fn: Callable[[], Any], reps: int) -> float:
+    start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        start[i].record()
+        fn()
+        end[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(start, end))
+
+
+def time_ms(fn: Callable[[], Any], graph: bool = True, reps: int = 30, inner: int | None = None) -> float:
+    """Median milliseconds per call of ``fn`` (CUDA-graph replay unless ``graph=False``).
+
+    With a graph, ``inner`` calls are captured back to back and the replay time is
+    divided by ``inner`` (default: enough calls for >= ~1 ms per replay).
+    """
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    if not graph:
+        return _median_ms(fn, reps)
+    est = _median_ms(fn, 5)
+    n = inner or max(1, min(200, int(1.0 / max(est, 1e-3))))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn()
+    torch.cuda.synchronize()
+    return _median_ms(g.replay, reps) / n
+
+
+def measure_copy_bandwidth(gib: float = 4.0) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read plus written."""
+    n = int(gib * 2**30) // 4
+    a = torch.empty(n, dtype=torch.float32, device="cuda").uniform_()
+    b = torch.empty_like(a)
+    ms = time_ms(lambda: b.copy_(a), graph=False, reps=20)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n * 4 / (ms * 1e-3)
+
+
+def measure_bf16_gemm_flops(n: int = 8192) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = time_ms(lambda: a @ b, graph=False, reps=10)
+    return 2 * n**3 / (ms * 1e-3)
+
+
+def table(rows: list[dict[str, Any]], cols: list[str]) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4f}" if v < 1 else f"{v:.3f}"
+        return "-" if v is None else str(v)
+
+    widths = {c: max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in cols}
+    out = [" | ".join(c.ljust(widths[c]) for c in cols), "-+-".join("-" * widths[c] for c in cols)]
+    for r in rows:
+        out.append(" | ".join(fmt(r.get(c)).ljust(widths[c]) for c in cols))
+    return "\n".join(out)
+
+
+def write_result(name: str, payload: dict[str, Any]) -> Path:
+    """benchmarks/results/<name>-<device>-<date>.json with device, versions and date."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    meta = versions()
+    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    dev = meta.get("device", "cpu").replace(" ", "_")
+    path = RESULTS / f"{name}-{dev}-{date[:10]}.json"
+    body = {"benchmark": name, "date": date, "versions": meta, "argv": sys.argv, **payload}
+    path.write_text(json.dumps(body, indent=1, sort_keys=True))
+    out_dir = os.environ.get("OUT")
+    if out_dir:  # device runs: also hand the file back
+        Path(out_dir, path.name).write_text(path.read_text())
+    return path

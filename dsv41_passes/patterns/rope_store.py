@@ -1,0 +1,7 @@
+"""rope_store patterns."""
+
+from __future__ import annotations
+
+
+def patterns():
+    return []

@@ -1,0 +1,7 @@
+"""wo_a patterns."""
+
+from __future__ import annotations
+
+
+def patterns():
+    return []

@@ -1,0 +1,46 @@
+"""Shared test helpers: the tiny model, packed batches, compile counters."""
+
+from __future__ import annotations
+
+import torch
+
+from dsv41_passes.reference import DeepseekV41Config, DeepseekV41ForCausalLM
+
+EMULATE = {"emulate_precision_casts": True}  # Inductor rounds like eager: compiled == eager bit for bit on CPU
+
+
+def tiny_model(max_num_tokens: int = 1024, **overrides) -> DeepseekV41ForCausalLM:
+    return DeepseekV41ForCausalLM(DeepseekV41Config.tiny(**overrides), max_num_tokens=max_num_tokens, max_num_seqs=4).eval()
+
+
+def packed(lengths, vocab: int = 256, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (sum(lengths),), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    cu = torch.tensor([0, *torch.tensor(list(lengths)).cumsum(0).tolist()])
+    return ids, pos, cu
+
+
+def eager(model, *args):
+    model.reset_cache()
+    with torch.inference_mode():
+        return model(*args)
+
+
+def unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    a = x.double().abs().clamp_min(2.0**-126)
+    return torch.exp2(torch.floor(torch.log2(a)) - 7)
+
+
+def assert_within_ulps(out: torch.Tensor, ref64: torch.Tensor, ulps: float = 1.0) -> None:
+    """|out - ref| <= ulps * ulp_bf16(ref) elementwise (ref in float64)."""
+    err = (out.double() - ref64).abs()
+    bound = ulps * bf16_ulp(ref64)
+    worst = (err / bound).max().item() if err.numel() else 0.0
+    assert torch.all(err <= bound), f"max error {worst:.3f} x the bound ({ulps} bf16 ulp)"

@@ -1,0 +1,101 @@
+"""The pass framework end to end on the tiny model: sites, numerics, dynamic M, config switches."""
+
+import pytest
+import torch
+
+import dsv41_passes as dp
+from helpers import EMULATE, eager, packed, tiny_model, unique_graphs
+
+L = 2  # tiny preset layers
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    torch._dynamo.reset()
+    model = tiny_model()
+    fast = dp.compile(model, dp.PassConfig(), options=EMULATE)
+    ids, pos, cu = packed([11, 29, 6])
+    ref = eager(model, ids, pos, cu)
+    model.reset_cache()
+    out = fast(ids, pos, cu)
+    return model, fast, dp.last_report(), out, ref
+
+
+def test_tiny_model_sites_and_logits(compiled):
+    model, fast, rep, out, ref = compiled
+    assert rep.sites.get("mhc_post") == 2 * L
+    posts = [r for r in rep.rows if r.kind == "mhc_post"]
+    assert sorted(r.layer for r in posts) == [0, 0, 1, 1]
+    assert all(r.status == "rewritten" and r.provider for r in posts)
+    # emulated casts + the reference/interpreted providers: within bf16 tolerance of eager
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    assert "dsv41.mhc_post" in rep.after and "dsv41" not in rep.before
+    assert rep.pass_seconds["mhc"] > 0 and rep.total_seconds < 60
+
+
+def test_one_graph_for_many_token_counts(compiled):
+    model, fast, *_ = compiled
+    n0 = unique_graphs()
+    for m in (2, 3, 17, 64, 129, 1000):
+        ids, pos, cu = packed([m], seed=m)
+        model.reset_cache()
+        out = fast(ids, pos, cu)
+        assert out.shape == (m, 256)
+    assert unique_graphs() == n0  # the graph compiled for 46 tokens serves them all
+    ids, pos, cu = packed([1])
+    fast(ids, pos, cu)
+    assert unique_graphs() <= n0 + 1  # M = 1 may specialize into its own graph
+
+
+def test_mhc_off_equals_plain_compile():
+    torch._dynamo.reset()
+    model = tiny_model()
+    ids, pos, cu = packed([9, 20])
+    fast = dp.compile(model, dp.PassConfig(mhc=False), options=EMULATE)
+    model.reset_cache()
+    out = fast(ids, pos, cu)
+    rep = dp.last_report()
+    assert rep.sites.get("mhc_post", 0) == 0 and "dsv41.mhc_post" not in rep.after
+    torch._dynamo.reset()
+    plain = torch.compile(model, options=EMULATE)
+    model.reset_cache()
+    with torch.inference_mode():
+        ref = plain(ids, pos, cu)
+    assert torch.equal(out, ref)
+
+
+def test_backend_by_name_and_inductor_options_leave_global_config_alone():
+    import torch._inductor.config as icfg
+
+    before = icfg.post_grad_custom_post_pass
+    torch._dynamo.reset()
+
+    def block(y, res, post, comb):
+        out = post.unsqueeze(-1) * y.unsqueeze(1) + (comb.unsqueeze(-1) * res.unsqueeze(2)).sum(1)
+        return out.to(torch.bfloat16)
+
+    args = (torch.randn(5, 32).bfloat16(), torch.randn(5, 4, 32).bfloat16(), torch.rand(5, 4), torch.rand(5, 4, 4))
+    with torch.inference_mode():
+        out = torch.compile(block, backend="dsv41")(*args)
+        assert dp.last_report().sites == {"mhc_post": 1}
+        torch._dynamo.reset()
+        out2 = torch.compile(block, options=dp.inductor_options(dp.PassConfig()))(*args)
+        assert dp.last_report().sites == {"mhc_post": 1}
+    assert torch.equal(out, out2)
+    assert icfg.post_grad_custom_post_pass is before
+
+
+def test_batch_invariant_options():
+    import torch._inductor.config as icfg
+
+    opts = dp.inductor_options(dp.PassConfig(batch_invariant=True))
+    for name in ("deterministic", "batch_invariant"):
+        assert opts.get(name) is (True if hasattr(icfg, name) else None)
+    assert "deterministic" not in dp.inductor_options(dp.PassConfig(batch_invariant=False))
+
+
+def test_pass_config_validation():
+    with pytest.raises(ValueError, match="unknown"):
+        dp.PassConfig(providers=("cuda", "reference"))
+    with pytest.raises(ValueError, match="reference"):
+        dp.PassConfig(providers=("triton",))

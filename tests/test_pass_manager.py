@@ -1,0 +1,121 @@
+"""uuid rules, FX graph cache participation, dumps."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import dsv41_passes as dp
+from dsv41_passes import pass_manager as pm
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _uuid(config=None):
+    return pm.PostGradPassManager(config or dp.PassConfig(batch_invariant=False)).uuid()
+
+
+def _run(code: str, env: dict | None = None) -> str:
+    e = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    e.update(env or {})
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=e, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def test_uuid_stable_across_processes():
+    code = "import dsv41_passes as dp; print(dp.pass_manager.PostGradPassManager(dp.PassConfig(batch_invariant=False)).uuid())"
+    a = _run(code).strip()
+    b = _run(code).strip()
+    assert a == b == _uuid()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [dict(mhc=False), dict(rope_store=False), dict(wo_a=False), dict(batch_invariant=True),
+     dict(providers=("triton", "reference")), dict(static_weights=True)],
+)
+def test_uuid_changes_with_each_config_field(change):
+    assert _uuid(dp.PassConfig(**{"batch_invariant": False, **change})) != _uuid()
+
+
+def test_uuid_ignores_dump_dir_and_follows_global_mode(tmp_path):
+    assert _uuid(dp.PassConfig(batch_invariant=False, dump_dir=str(tmp_path))) == _uuid()
+    follow = dp.PassConfig()
+    off = pm.PostGradPassManager(follow).uuid()
+    with dp.batch_invariant(True):
+        on = pm.PostGradPassManager(follow).uuid()
+    assert on != off
+
+
+def test_uuid_changes_with_sources_and_versions(monkeypatch, tmp_path):
+    base = _uuid()
+    extra = tmp_path / "kernel.py"
+    extra.write_text("x = 1\n")
+    files = pm.source_files()
+    monkeypatch.setattr(pm, "source_files", lambda: files + [extra])
+    monkeypatch.setattr(pm, "_PKG", Path("/"))
+    with_file = _uuid()
+    extra.write_text("x = 2\n")
+    assert _uuid() != with_file != base
+    monkeypatch.undo()
+    real = pm._versions()
+    for name in ("torch", "triton", "tilelang"):
+        monkeypatch.setattr(pm, "_versions", lambda n=name: {**real, n: "0.0.0-other"})
+        assert _uuid() != base
+    monkeypatch.undo()
+    assert _uuid() == base
+    assert any(f.match("lowering/triton/mhc.py") for f in pm.source_files())
+    assert any(f.match("patterns/mhc.py") for f in pm.source_files())
+
+
+_CACHE_SCRIPT = """
+import json, torch
+import dsv41_passes as dp
+from torch._dynamo.utils import counters
+
+def block(y, res, post, comb):
+    out = post.unsqueeze(-1) * y.unsqueeze(1) + (comb.unsqueeze(-1) * res.unsqueeze(2)).sum(1)
+    return out.to(torch.bfloat16)
+
+g = torch.Generator().manual_seed(0)
+args = (torch.randn(9, 32, generator=g).bfloat16(), torch.randn(9, 4, 32, generator=g).bfloat16(),
+        torch.rand(9, 4, generator=g), torch.rand(9, 4, 4, generator=g))
+out = dp.compile(block, dp.PassConfig(batch_invariant=False))(*args)
+rep = dp.last_report()
+print(json.dumps({"hit": counters["inductor"]["fxgraph_cache_hit"], "miss": counters["inductor"]["fxgraph_cache_miss"],
+                  "bypass": counters["inductor"]["fxgraph_cache_bypass"], "sites": rep.sites,
+                  "from_cache": rep.from_cache, "sum": float(out.float().sum())}))
+"""
+
+
+def test_fx_graph_cache_hit_keeps_the_report(tmp_path):
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
+    first = json.loads(_run(_CACHE_SCRIPT, env).strip().splitlines()[-1])
+    second = json.loads(_run(_CACHE_SCRIPT, env).strip().splitlines()[-1])
+    assert first["miss"] >= 1 and first["hit"] == 0 and first["bypass"] == 0
+    assert first["sites"] == {"mhc_post": 1} and not first["from_cache"]
+    assert second["hit"] >= 1 and second["miss"] == 0
+    assert second["sites"] == {"mhc_post": 1} and second["from_cache"]
+    assert second["sum"] == first["sum"]
+
+
+def test_dump_dir_writes_graphs_patterns_and_report(tmp_path):
+    def block(y, res, post, comb):
+        return (torch.einsum("mjk,mjd->mkd", comb, res.float()) + post.unsqueeze(-1) * y.unsqueeze(1)).to(torch.bfloat16)
+
+    args = (torch.randn(5, 16).bfloat16(), torch.randn(5, 4, 16).bfloat16(), torch.rand(5, 4), torch.rand(5, 4, 4))
+    torch._dynamo.reset()
+    dp.compile(block, dp.PassConfig(dump_dir=str(tmp_path)))(*args)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert {"patterns.txt"} <= set(names)
+    assert any(n.endswith(".before.txt") for n in names) and any(n.endswith(".after.txt") for n in names)
+    text = (tmp_path / "patterns.txt").read_text()
+    assert "mhc_post.broadcast_sum" in text and "CallFunction(aten.sum.dim_IntList" in text
+    rep = json.loads(next(tmp_path.glob("*.report.json")).read_text())
+    assert [r["kind"] for r in rep["rows"]] == ["mhc_post"]
