@@ -87,7 +87,7 @@ class PostGradPassManager(CustomGraphPass):
         cfg = self.config
         report = RewriteReport(config=cfg.cache_key() | {"batch_invariant": self.batch_invariant})
         report.before = str(graph)
-        ctx = PassContext(",".join(cfg.providers), self.batch_invariant, self.follows_global)
+        ctx = PassContext(",".join(cfg.providers), self.batch_invariant, self.follows_global, cfg.static_weights)
         timings: dict[str, float] = {}
 
         def stage(name: str, fn: Any) -> Any:

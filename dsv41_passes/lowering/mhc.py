@@ -69,3 +69,143 @@ def _mhc_post_triton(y, res, post, comb, *, batch_invariant):
     from .triton import mhc as tk
 
     return tk.mhc_post(y, res, post, comb, batch_invariant=batch_invariant)
+
+
+# ---------------------------------------------------------------------------
+# stats: projection + RMS + split/sigmoid/Sinkhorn
+# ---------------------------------------------------------------------------
+def check_stats_args(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor) -> None:
+    _check(h.dim() == 3, f"mhc_stats: h must be [M, hc_mult, hidden], got {tuple(h.shape)}")
+    m, n, d = h.shape
+    _check(1 <= n <= HC_MAX, f"mhc_stats: hc_mult must be in [1, {HC_MAX}], got {n}")
+    nmix = (2 + n) * n
+    _check(tuple(fn.shape) == (nmix, n * d), f"mhc_stats: fn must be [{nmix}, {n * d}], got {tuple(fn.shape)}")
+    _check(tuple(base.shape) == (nmix,), f"mhc_stats: base must be [{nmix}], got {tuple(base.shape)}")
+    _check(tuple(scale.shape) == (3,), f"mhc_stats: scale must be [3], got {tuple(scale.shape)}")
+    _check(fn.dtype == scale.dtype == base.dtype == torch.float32, "mhc_stats: fn, scale and base must be float32")
+    _check(h.dtype in (torch.bfloat16, torch.float16, torch.float32), f"mhc_stats: unsupported residual dtype {h.dtype}")
+    devs = {t.device for t in (h, fn, scale, base)}
+    _check(len(devs) == 1, f"mhc_stats: all inputs must be on one device, got {sorted(map(str, devs))}")
+
+
+def _stats_out(h: torch.Tensor):
+    m, n, _ = h.shape
+    f32 = dict(dtype=torch.float32, device=h.device)
+    return h.new_empty((m, n), **f32), h.new_empty((m, n), **f32), h.new_empty((m, n, n), **f32)
+
+
+@torch.library.custom_op("dsv41::mhc_stats", mutates_args=())
+def mhc_stats(
+    h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+    iters: int, hc_eps: float, norm_eps: float, providers: str, mode: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_stats_args(h, fn, scale, base)
+    return dispatch("mhc_stats", providers, mode, h, fn, scale, base, iters, hc_eps, norm_eps)
+
+
+@mhc_stats.register_fake
+def _mhc_stats_fake(h, fn, scale, base, iters, hc_eps, norm_eps, providers, mode):
+    return _stats_out(h)
+
+
+@register_provider("mhc_stats", "reference")
+def _mhc_stats_reference(h, fn, scale, base, iters, hc_eps, norm_eps, *, batch_invariant):
+    return tuple(t.contiguous() for t in ref.hc_mixes(h, fn, scale, base, iters, hc_eps, norm_eps))
+
+
+# ---------------------------------------------------------------------------
+# collapse (+ RMSNorm)
+# ---------------------------------------------------------------------------
+def check_collapse_args(h: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None) -> None:
+    _check(h.dim() == 3, f"mhc_collapse: h must be [M, hc_mult, hidden], got {tuple(h.shape)}")
+    m, n, d = h.shape
+    _check(1 <= n <= HC_MAX, f"mhc_collapse: hc_mult must be in [1, {HC_MAX}], got {n}")
+    _check(tuple(pre.shape) == (m, n), f"mhc_collapse: pre must be [M, hc_mult] = {(m, n)}, got {tuple(pre.shape)}")
+    _check(pre.dtype == torch.float32, f"mhc_collapse: pre must be float32, got {pre.dtype}")
+    if weight is not None:
+        _check(tuple(weight.shape) == (d,), f"mhc_collapse: norm weight must be [{d}], got {tuple(weight.shape)}")
+    devs = {t.device for t in (h, pre, weight) if t is not None}
+    _check(len(devs) == 1, f"mhc_collapse: all inputs must be on one device, got {sorted(map(str, devs))}")
+
+
+def collapse_norm_reference(h: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    from ..reference.model import rms_norm
+
+    x = ref.hc_collapse(h, pre)
+    return x if weight is None else rms_norm(x, weight, eps)
+
+
+@torch.library.custom_op("dsv41::mhc_collapse", mutates_args=())
+def mhc_collapse(
+    h: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None, eps: float, providers: str, mode: int
+) -> torch.Tensor:
+    """``sum_j pre_j h_j`` in fp32 -> bf16, then (with ``weight``) RMSNorm -> bf16."""
+    check_collapse_args(h, pre, weight)
+    return dispatch("mhc_collapse", providers, mode, h, pre, weight, eps)
+
+
+@mhc_collapse.register_fake
+def _mhc_collapse_fake(h, pre, weight, eps, providers, mode):
+    return h.new_empty((h.shape[0], h.shape[2]))
+
+
+@register_provider("mhc_collapse", "reference")
+def _mhc_collapse_reference(h, pre, weight, eps, *, batch_invariant):
+    return collapse_norm_reference(h, pre, weight, eps).contiguous()
+
+
+# ---------------------------------------------------------------------------
+# pre: stats of h and collapse (+ norm) of h with the previous pre, one read of h
+# ---------------------------------------------------------------------------
+@torch.library.custom_op("dsv41::mhc_pre", mutates_args=())
+def mhc_pre(
+    h: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+    weight: torch.Tensor | None, iters: int, hc_eps: float, norm_eps: float, eps: float, providers: str, mode: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, pre, post, comb) = (collapse_norm(h, pre_prev), *stats(h)): V4.1's shifted pre in one pass."""
+    check_stats_args(h, fn, scale, base)
+    check_collapse_args(h, pre_prev, weight)
+    return dispatch("mhc_pre", providers, mode, h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps)
+
+
+@mhc_pre.register_fake
+def _mhc_pre_fake(h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, providers, mode):
+    return (h.new_empty((h.shape[0], h.shape[2])), *_stats_out(h))
+
+
+@register_provider("mhc_pre", "reference")
+def _mhc_pre_reference(h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, *, batch_invariant):
+    x = collapse_norm_reference(h, pre_prev, weight, eps).contiguous()
+    return (x, *_mhc_stats_reference(h, fn, scale, base, iters, hc_eps, norm_eps, batch_invariant=batch_invariant))
+
+
+# ---------------------------------------------------------------------------
+# boundary: post of sub-block i, then stats + collapse (+ norm) of sub-block i+1
+# ---------------------------------------------------------------------------
+@torch.library.custom_op("dsv41::mhc_boundary", mutates_args=())
+def mhc_boundary(
+    y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre_prev: torch.Tensor,
+    fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, weight: torch.Tensor | None,
+    iters: int, hc_eps: float, norm_eps: float, eps: float, providers: str, mode: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(new_res, x, pre, post, comb): the new residual is written once and not re-read."""
+    check_post_args(y, res, post, comb)
+    check_stats_args(res, fn, scale, base)
+    check_collapse_args(res, pre_prev, weight)
+    return dispatch(
+        "mhc_boundary", providers, mode, y, res, post, comb, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps
+    )
+
+
+@mhc_boundary.register_fake
+def _mhc_boundary_fake(y, res, post, comb, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, providers, mode):
+    return (res.new_empty(res.shape), res.new_empty((res.shape[0], res.shape[2])), *_stats_out(res))
+
+
+@register_provider("mhc_boundary", "reference")
+def _mhc_boundary_reference(
+    y, res, post, comb, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, *, batch_invariant
+):
+    new_res = ref.hc_post(y, res, post, comb).contiguous()
+    return (new_res, *_mhc_pre_reference(new_res, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps,
+                                         batch_invariant=batch_invariant))

@@ -27,17 +27,21 @@ class Provider:
     name: str
     fn: ProviderFn
     supported: SupportFn
+    wants_mode: bool = False  # the provider also takes the raw ``mode`` bits (e.g. static weights)
 
 
 _REGISTRY: dict[str, dict[str, Provider]] = {}
 
 
-def register_provider(op: str, name: str, supported: SupportFn | None = None) -> Callable[[ProviderFn], ProviderFn]:
+def register_provider(
+    op: str, name: str, supported: SupportFn | None = None, wants_mode: bool = False
+) -> Callable[[ProviderFn], ProviderFn]:
+    """Register ``fn(*op_args, batch_invariant=bool[, mode=int])`` as provider ``name`` of ``op``."""
     if name not in PROVIDER_NAMES:
         raise ValueError(f"unknown provider {name!r}; expected one of {PROVIDER_NAMES}")
 
     def deco(fn: ProviderFn) -> ProviderFn:
-        _REGISTRY.setdefault(op, {})[name] = Provider(op, name, fn, supported or (lambda *a, **k: None))
+        _REGISTRY.setdefault(op, {})[name] = Provider(op, name, fn, supported or (lambda *a, **k: None), wants_mode)
         return fn
 
     return deco
@@ -63,13 +67,26 @@ def choose(op: str, priority: str, batch_invariant: bool, *args: Any) -> tuple[P
     return None, why
 
 
-def encode_mode(batch_invariant: bool, follows_global: bool) -> int:
-    """The ``mode`` argument every fused op carries: bit 0 batch-invariant, bit 1 follows the global mode."""
-    return int(bool(batch_invariant)) | (2 if follows_global else 0)
+MODE_BATCH_INVARIANT = 1  # fixed, M-independent configs
+MODE_FOLLOWS_GLOBAL = 2  # the graph follows the global batch-invariant mode: check it at run time
+MODE_STATIC_WEIGHTS = 4  # derived weights are built once; an in-place weight update is an error
+
+
+def encode_mode(batch_invariant: bool, follows_global: bool = False, static_weights: bool = False) -> int:
+    """The ``mode`` argument every fused op carries (a bit set; see the MODE_* constants)."""
+    return (
+        (MODE_BATCH_INVARIANT if batch_invariant else 0)
+        | (MODE_FOLLOWS_GLOBAL if follows_global else 0)
+        | (MODE_STATIC_WEIGHTS if static_weights else 0)
+    )
 
 
 def decode_mode(mode: int) -> tuple[bool, bool]:
-    return bool(mode & 1), bool(mode & 2)
+    return bool(mode & MODE_BATCH_INVARIANT), bool(mode & MODE_FOLLOWS_GLOBAL)
+
+
+def static_weights(mode: int) -> bool:
+    return bool(mode & MODE_STATIC_WEIGHTS)
 
 
 def dispatch(op: str, priority: str, mode: int, *args: Any) -> Any:
@@ -80,6 +97,8 @@ def dispatch(op: str, priority: str, mode: int, *args: Any) -> Any:
     p, why = choose(op, priority, batch_invariant, *args)
     if p is None:
         raise RuntimeError(f"dsv41::{op}: no provider can run these inputs ({'; '.join(why)})")
+    if p.wants_mode:
+        return p.fn(*args, batch_invariant=batch_invariant, mode=mode)
     return p.fn(*args, batch_invariant=batch_invariant)
 
 

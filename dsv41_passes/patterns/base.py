@@ -145,12 +145,15 @@ class PassContext:
     providers: str
     batch_invariant: bool
     follows_global: bool = False
+    static_weights: bool = False
     sites: dict[fx.Node, Site] = field(default_factory=dict)
 
     @property
     def mode(self) -> int:
         """The ``mode`` argument baked into every fused op of this graph."""
-        return int(self.batch_invariant) | (2 if self.follows_global else 0)
+        from ..lowering.registry import encode_mode
+
+        return encode_mode(self.batch_invariant, self.follows_global, self.static_weights)
 
     def site(self, anchor: fx.Node, kind: str) -> Site:
         s = self.sites.get(anchor)
