@@ -32,6 +32,7 @@ class PassConfig:
     providers: tuple[str, ...] = _PROVIDERS
     dump_dir: str | None = None
     static_weights: bool = False
+    hc_sinkhorn_iters: int = 20
 
     def __post_init__(self) -> None:
         provs = tuple(self.providers)
@@ -39,6 +40,8 @@ class PassConfig:
         bad = [p for p in provs if p not in _PROVIDERS]
         if bad or not provs:
             raise ValueError(f"PassConfig.providers: unknown {bad} (choose from {_PROVIDERS})")
+        if self.hc_sinkhorn_iters < 1:
+            raise ValueError("PassConfig.hc_sinkhorn_iters must be >= 1")
         if "reference" not in provs:
             raise ValueError("PassConfig.providers must keep 'reference' as the last resort")
 

@@ -6,7 +6,9 @@ Fixed order, each stage timed and reported:
 2. ``mhc``        mHC stats, collapse (+ RMSNorm), post;
 3. ``rope_store`` Q RoPE + padded-Q store, KV norm + RoPE + FP8 + cache store;
 4. ``wo_a``       inverse RoPE + grouped low-rank output projection;
-5. ``cleanup``    dead-code elimination, lint.
+5. ``fuse``       mHC ops sharing the residual merge: stats + collapse -> ``mhc_pre`` (one
+                  read), post -> next pre -> ``mhc_boundary`` (new residual written once);
+6. ``cleanup``    stable topological sort, dead-code elimination, lint.
 
 ``uuid()`` hashes the PassConfig (batch-invariant mode resolved), the source of
 every pattern, lowering and kernel module, and the torch/triton/tilelang versions,
@@ -35,7 +37,7 @@ from .report import RewriteReport, SiteRow, graph_to_node_link, publish
 log = logging.getLogger("dsv41_passes")
 _PKG = Path(__file__).resolve().parent
 _HASHED_DIRS = ("patterns", "lowering")
-_HASHED_FILES = ("pass_manager.py", "config.py", "guards.py", "tuning.py", "fusion.py")
+_HASHED_FILES = ("pass_manager.py", "config.py", "guards.py", "tuning.py")
 
 
 def _versions() -> dict[str, str | None]:
@@ -87,7 +89,13 @@ class PostGradPassManager(CustomGraphPass):
         cfg = self.config
         report = RewriteReport(config=cfg.cache_key() | {"batch_invariant": self.batch_invariant})
         report.before = str(graph)
-        ctx = PassContext(",".join(cfg.providers), self.batch_invariant, self.follows_global, cfg.static_weights)
+        ctx = PassContext(
+            ",".join(cfg.providers),
+            self.batch_invariant,
+            self.follows_global,
+            cfg.static_weights,
+            expect={"hc_sinkhorn_iters": cfg.hc_sinkhorn_iters},
+        )
         timings: dict[str, float] = {}
 
         def stage(name: str, fn: Any) -> Any:
@@ -102,7 +110,11 @@ class PostGradPassManager(CustomGraphPass):
                 if getattr(cfg, fam) and fam in GROUPS:
                     group = GROUPS[fam]
                     stage(fam, lambda g=group: g.apply(graph))
-            stage("cleanup", lambda: (graph.eliminate_dead_code(), graph.lint()))
+            if cfg.mhc:
+                from .patterns import mhc_fuse
+
+                stage("fuse", lambda: mhc_fuse.run(graph, ctx))
+            stage("cleanup", lambda: _cleanup(graph))
 
         report.pass_seconds = timings
         report.after = str(graph)
@@ -133,6 +145,14 @@ class PostGradPassManager(CustomGraphPass):
         if cfg.dump_dir:
             _dump(cfg.dump_dir, report)
         publish(report)
+
+
+def _cleanup(graph: fx.Graph) -> None:
+    from torch._inductor.pattern_matcher import stable_topological_sort
+
+    stable_topological_sort(graph)
+    graph.eliminate_dead_code()
+    graph.lint()
 
 
 FAMILY_KINDS = {

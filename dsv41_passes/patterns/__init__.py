@@ -11,6 +11,12 @@ def _mhc():
     return mhc.patterns()
 
 
+def _mhc_rewriters():
+    from . import mhc_stats
+
+    return [mhc_stats.rewrite]
+
+
 def _rope_store():
     from . import rope_store
 
@@ -24,7 +30,7 @@ def _wo_a():
 
 
 GROUPS: dict[str, PatternGroup] = {
-    "mhc": PatternGroup("mhc", _mhc),
+    "mhc": PatternGroup("mhc", _mhc, _mhc_rewriters),
     "rope_store": PatternGroup("rope_store", _rope_store),
     "wo_a": PatternGroup("wo_a", _wo_a),
 }

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -138,6 +139,8 @@ class Site:
     rewritten: bool = False
     note: str = ""
     fused_into: str = ""  # set when a later stage merged this site's op into a bigger one
+    consumers: list[fx.Node] = field(default_factory=list)  # users of the anchor when it was accepted
+    op_node: fx.Node | None = None  # the fused op call that replaced the site
 
 
 @dataclass
@@ -146,6 +149,7 @@ class PassContext:
     batch_invariant: bool
     follows_global: bool = False
     static_weights: bool = False
+    expect: dict[str, Any] = field(default_factory=dict)  # model constants the matchers require
     sites: dict[fx.Node, Site] = field(default_factory=dict)
 
     @property
@@ -316,9 +320,15 @@ def bound_values(match: Match) -> dict[str, Any]:
 class PatternGroup:
     """Patterns of one family in one ``PatternMatcherPass``, registered once, lazily."""
 
-    def __init__(self, family: str, patterns: Callable[[], list[FusionPattern]]):
+    def __init__(
+        self,
+        family: str,
+        patterns: Callable[[], list[FusionPattern]],
+        rewriters: Callable[[], list[Callable[[fx.Graph, "PassContext"], int]]] | None = None,
+    ):
         self.family = family
         self._factory = patterns
+        self._rewriters = rewriters  # imperative matchers run before the declarative patterns
         self._pass: PatternMatcherPass | None = None
         self.patterns: list[FusionPattern] = []
         self.registered: list[tuple[str, Any]] = []  # (spelling name, PatternExpr) for dumps
@@ -368,7 +378,41 @@ class PatternGroup:
         return self._pass
 
     def apply(self, graph: fx.Graph) -> int:
-        return self.pass_.apply(graph)
+        n = 0
+        if self._rewriters is not None:
+            ctx = current_context()
+            for rw in self._rewriters():
+                n += rw(graph, ctx)
+        n += self.pass_.apply(graph)
+        link_sites(graph, current_context())
+        return n
+
+
+def fused_op_node(node: fx.Node) -> fx.Node | None:
+    """The dsv41 op call producing ``node`` (itself, or through getitem)."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        node = node.args[0]
+    if node.op == "call_function" and str(node.target).startswith("dsv41."):
+        return node
+    return None
+
+
+def link_sites(graph: fx.Graph, ctx: PassContext) -> None:
+    """Tag each new fused-op node with the site it replaced (found through the old anchor's consumers)."""
+    for site in ctx.sites.values():
+        if site.op_node is not None or not getattr(site.anchor, "_erased", False):
+            continue
+        for consumer in site.consumers:
+            if getattr(consumer, "_erased", False):
+                continue
+            for arg in consumer.all_input_nodes:
+                op = fused_op_node(arg)
+                if op is not None and "dsv41_site" not in op.meta:
+                    op.meta["dsv41_site"] = site
+                    site.op_node = op
+                    break
+            if site.op_node is not None:
+                break
 
 
 def _replacement(pat: FusionPattern, sp: Spelling) -> Callable[..., Any]:
@@ -396,6 +440,7 @@ def _extra_check(pat: FusionPattern, sp: Spelling, ref_gm: fx.GraphModule) -> Ca
             site.reasons.append(f"{sp.name}: {why}")
             return False
         site = ctx.site(anchor, pat.kind)
+        site.consumers = list(anchor.users)
         if pat.provider_args is not None:
             from ..lowering import choose
 

@@ -1,8 +1,15 @@
-"""mHC patterns: the post (combine).
+"""mHC patterns: the post (combine) and the collapse (+ RMSNorm).
 
 ``mhc_post``: ``out[:, k] = post[:, k] * y + sum_j comb[:, j, k] * res[:, j]`` in
 fp32, one bf16 rounding. Spellings: the combine term as the reference
 broadcast-sum, an einsum or ``comb^T @ res``, each with either addition order.
+
+``mhc_collapse``: ``x = sum_j pre[:, j] * h[:, j]`` in fp32 rounded to bf16, with
+the following RMSNorm when there is one (fp32 statistics, weight multiply,
+bf16). Collapse spellings: broadcast-sum (either factor order), einsum,
+``pre @ h``; norm spellings: weight before or after the normalised value (the
+reference and the ``F.rms_norm``/HF order). The stats (projection + Sinkhorn)
+are matched by :mod:`.mhc_stats`.
 """
 
 from __future__ import annotations
@@ -81,8 +88,120 @@ def _post_replace(y, res, post, comb):
     return torch.ops.dsv41.mhc_post(y, res, post, comb, ctx.providers, ctx.mode)
 
 
+# ---------------------------------------------------------------- collapse
+EPS_SENTINEL = 1.2345e-5  # stands for the norm eps in traced patterns; bound to the matched literal
+
+
+def _collapse_broadcast(h, pre):
+    return (pre.unsqueeze(-1) * h.float()).sum(1)
+
+
+def _collapse_broadcast_swapped(h, pre):
+    return (h.float() * pre.unsqueeze(-1)).sum(1)
+
+
+def _collapse_einsum(h, pre):
+    return torch.einsum("mn,mnd->md", pre, h.float())
+
+
+def _collapse_matmul(h, pre):
+    return torch.matmul(pre.unsqueeze(1), h.float()).squeeze(1)
+
+
+COLLAPSE_TERMS = {
+    "broadcast_sum": _collapse_broadcast,
+    "broadcast_sum_swapped": _collapse_broadcast_swapped,
+    "einsum": _collapse_einsum,
+    "matmul": _collapse_matmul,
+}
+
+
+def _normed(xf, eps):
+    return xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+
+
+def _collapse_only(term):
+    def search(h, pre):
+        return term(h, pre).to(BF16)
+
+    return search
+
+
+def _collapse_norm(term, weight_first: bool):
+    if weight_first:
+
+        def search(h, pre, weight, eps):
+            x = term(h, pre).to(BF16)
+            return (weight * _normed(x.float(), eps)).to(BF16)
+
+    else:
+
+        def search(h, pre, weight, eps):
+            x = term(h, pre).to(BF16)
+            return (_normed(x.float(), eps) * weight).to(BF16)
+
+    return search
+
+
+def _collapse_inputs():
+    return [torch.empty(M_EX, HC_EX, D_EX, dtype=BF16), torch.empty(M_EX, HC_EX, dtype=F32)]
+
+
+def _collapse_norm_inputs():
+    return [*_collapse_inputs(), torch.empty(D_EX, dtype=F32), EPS_SENTINEL]
+
+
+def _collapse_check(v) -> str | None:
+    h, pre = v["h"], v["pre"]
+    if h.dim() != 3 or pre.dim() != 2:
+        return "ranks are not h[M,n,d], pre[M,n]"
+    m, n, d = h.shape
+    w = v.get("weight")
+    eps = v.get("eps")
+    return first_failure(
+        want_dtype("h", h, BF16),
+        want_dtype("pre", pre, F32),
+        None if isinstance(n, int) and 1 <= n <= 8 else f"hc_mult {n} outside [1, 8]",
+        None if same(pre.shape[0], m) and same(pre.shape[1], n) else f"pre {tuple(pre.shape)} vs h {tuple(h.shape)}",
+        None if w is None or (w.dim() == 1 and same(w.shape[0], d)) else f"norm weight {tuple(w.shape)} is not [{d}]",
+        None if w is None or w.dtype in (F32, BF16) else f"norm weight dtype {w.dtype}",
+        None if eps is None or (isinstance(eps, float) and 0 < eps < 1) else f"norm eps {eps!r} outside (0, 1)",
+        is_contiguous_rows("h", h),
+    )
+
+
+def _collapse_replace(h, pre, weight=None, eps=0.0):
+    ctx = current_context()
+    return torch.ops.dsv41.mhc_collapse(h, pre, weight, float(eps), ctx.providers, ctx.mode)
+
+
+def _collapse_spellings() -> list[Spelling]:
+    out = []
+    for name, term in COLLAPSE_TERMS.items():
+        out.append(Spelling(name, _collapse_only(term), _collapse_inputs))
+        for first in (True, False):
+            out.append(
+                Spelling(
+                    f"{name}+rms_norm{'' if first else '_weight_last'}",
+                    _collapse_norm(term, first),
+                    _collapse_norm_inputs,
+                    scalars={"eps": EPS_SENTINEL},
+                )
+            )
+    return out
+
+
 def patterns() -> list[FusionPattern]:
     return [
+        FusionPattern(
+            kind="mhc_collapse",
+            family="mhc",
+            op="mhc_collapse",
+            spellings=_collapse_spellings(),
+            replace=_collapse_replace,
+            check=_collapse_check,
+            provider_args=lambda v: (v["h"], v["pre"], v.get("weight"), float(v.get("eps", 0.0))),
+        ),
         FusionPattern(
             kind="mhc_post",
             family="mhc",

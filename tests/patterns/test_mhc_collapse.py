@@ -1,0 +1,84 @@
+"""mhc_collapse: collapse (+ RMSNorm) spellings rewritten once; near misses skipped with reasons."""
+
+import pytest
+import torch
+
+import dsv41_passes as dp
+from dsv41_passes.patterns.mhc import COLLAPSE_TERMS, _collapse_norm, _collapse_only
+from dsv41_passes.reference.mhc import hc_collapse
+from dsv41_passes.reference.model import rms_norm
+
+REF = dp.PassConfig(providers=("reference",))
+BF16 = torch.bfloat16
+
+
+def _args(m=9, d=48, wdtype=torch.float32):
+    g = torch.Generator().manual_seed(m)
+    return (
+        (3 * torch.randn(m, 4, d, generator=g)).to(BF16),
+        torch.rand(m, 4, generator=g) + 1e-6,
+        (1 + 0.1 * torch.randn(d, generator=g)).to(wdtype),
+    )
+
+
+def _run(fn, args, config=REF):
+    torch._dynamo.reset()
+    out = dp.compile(fn, config)(*args)
+    return out, dp.last_report()
+
+
+@pytest.mark.parametrize("term", sorted(COLLAPSE_TERMS))
+@pytest.mark.parametrize("norm", [None, "weight_first", "weight_last"])
+def test_spellings(term, norm):
+    h, pre, w = _args()
+    if norm is None:
+        fn = _collapse_only(COLLAPSE_TERMS[term])
+        args = (h, pre)
+    else:
+        search = _collapse_norm(COLLAPSE_TERMS[term], norm == "weight_first")
+
+        def fn(h, pre, w):
+            return search(h, pre, w, 1e-6)
+
+        args = (h, pre, w)
+    out, rep = _run(fn, args)
+    assert rep.sites == {"mhc_collapse": 1}, rep.to_markdown()
+    ref = hc_collapse(h, pre)
+    if norm is not None:
+        ref = rms_norm(ref, w, 1e-6)
+        assert "rsqrt" not in rep.after  # the norm went into the fused op
+    assert torch.equal(out, ref) or (out.float() - ref.float()).abs().max() <= 2 ** -7 * ref.abs().max()
+
+
+def test_model_functions_with_bf16_weight_and_tiny_eps():
+    h, pre, w = _args(wdtype=BF16)
+
+    def fn(h, pre, w):
+        return rms_norm(hc_collapse(h, pre), w, 1e-20)
+
+    out, rep = _run(fn, (h, pre, w))
+    assert rep.sites == {"mhc_collapse": 1}
+    assert torch.equal(out, fn(h, pre, w))
+
+
+def test_wrong_reduction_dim_is_a_near_miss():
+    h, pre, _ = _args(m=4, d=4)
+
+    def fn(h, pre):  # sums over hidden instead of streams: same ops, other dim
+        return (pre.unsqueeze(1) * h.float()).sum(2).to(BF16)
+
+    out, rep = _run(fn, (h, pre))
+    assert rep.sites == {}
+    assert rep.skipped and "dim" in rep.skipped[0].reason, rep.to_markdown()
+    assert torch.equal(out, fn(h, pre))
+
+
+def test_fp16_streams_are_skipped():
+    h, pre, _ = _args()
+    h = h.half()
+
+    def fn(h, pre):
+        return (pre.unsqueeze(-1) * h.float()).sum(1).to(torch.float16)
+
+    _, rep = _run(fn, (h, pre))
+    assert rep.sites == {}

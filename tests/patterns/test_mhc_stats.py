@@ -1,0 +1,147 @@
+"""mhc_stats: the walker matches every supported spelling once; near misses are skipped quickly, with reasons."""
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dsv41_passes as dp
+from dsv41_passes.reference.mhc import hc_mixes, sinkhorn
+
+REF = dp.PassConfig(providers=("reference",))
+N, D = 4, 32
+
+
+def _args(m=9):
+    g = torch.Generator().manual_seed(m)
+    return (
+        torch.randn(m, N, D, generator=g).bfloat16(),
+        torch.randn(24, N * D, generator=g) / 16,
+        torch.rand(3, generator=g) + 0.5,
+        torch.randn(24, generator=g),
+    )
+
+
+def _run(fn, config=REF, m=9):
+    torch._dynamo.reset()
+    args = _args(m)
+    out = dp.compile(fn, config)(*args)
+    return out, fn(*args), dp.last_report()
+
+
+def _variant(*, rms="mean_square", proj="linear", fold="after", softmax="softmax", post2="left", order="flat_first",
+             iters=20, eps=1e-6, last_eps=None, end_on_row=False):
+    def fn(h, fn_w, scale, base):
+        n = h.shape[1]
+        xf = h.flatten(1).float() if order == "flat_first" else h.float().flatten(1)
+        if rms == "mean_square":
+            ms = xf.square().mean(-1, keepdim=True)
+        elif rms == "mul":
+            ms = (xf * xf).mean(-1, keepdim=True)
+        else:
+            ms = xf.pow(2).sum(-1, keepdim=True) / xf.shape[-1]
+        r = torch.rsqrt(ms + 1e-6)
+        x_in = xf * r if fold == "before" else xf
+        mix = {"linear": lambda: F.linear(x_in, fn_w), "matmul": lambda: x_in @ fn_w.T,
+               "mm": lambda: torch.mm(x_in, fn_w.t())}[proj]()
+        if fold == "after":
+            mix = mix * r
+        pre = torch.sigmoid(mix[:, :n] * scale[0] + base[:n]) + eps
+        s = torch.sigmoid(mix[:, n:2 * n] * scale[1] + base[n:2 * n])
+        post = 2 * s if post2 == "left" else s * 2
+        c = (mix[:, 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
+        if softmax == "softmax":
+            c = c.softmax(-1)
+        elif softmax == "exp_sum":
+            c = c.exp()
+            c = c / c.sum(-1, keepdim=True)
+        else:
+            c = (c - c.amax(-1, keepdim=True)).exp()
+            c = c / c.sum(-1, keepdim=True)
+        c = c + eps
+        c = c / (c.sum(-2, keepdim=True) + eps)
+        for i in range(iters - 1):
+            c = c / (c.sum(-1, keepdim=True) + eps)
+            e = last_eps if (last_eps is not None and i == iters - 2) else eps
+            c = c / (c.sum(-2, keepdim=True) + e)
+        if end_on_row:
+            c = c / (c.sum(-1, keepdim=True) + eps)
+        return pre, post, c
+
+    return fn
+
+
+SPELLINGS = {
+    "reference": dict(),
+    "x_times_x": dict(rms="mul"),
+    "sum_over_k": dict(rms="sum"),
+    "matmul_operator": dict(proj="matmul"),
+    "torch_mm": dict(proj="mm"),
+    "rms_before_projection": dict(fold="before"),
+    "exp_sum_softmax": dict(softmax="exp_sum"),
+    "manual_max_softmax": dict(softmax="manual_max"),
+    "post_times_two_right": dict(post2="right"),
+    "float_then_flatten": dict(order="float_first"),
+}
+
+
+def test_reference_function_matches():
+    def fn(h, fn_w, scale, base):
+        return hc_mixes(h, fn_w, scale, base, 20, 1e-6, 1e-6)
+
+    out, ref, rep = _run(fn)
+    assert rep.sites == {"mhc_stats": 1}, rep.to_markdown()
+    assert "dsv41.mhc_stats" in rep.after and "aten.exp" not in rep.after
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(out[2].sum(-2), torch.ones(9, N), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(SPELLINGS))
+def test_spellings(name):
+    out, ref, rep = _run(_variant(**SPELLINGS[name]))
+    assert rep.sites == {"mhc_stats": 1}, rep.to_markdown()
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize(
+    "kw,reason",
+    [
+        (dict(iters=19), "19 iterations"),
+        (dict(last_eps=1e-5), "eps"),
+        (dict(end_on_row=True), "column"),
+    ],
+)
+def test_near_misses_stay_and_compile_fast(kw, reason):
+    t = time.perf_counter()
+    out, ref, rep = _run(_variant(**kw))
+    elapsed = time.perf_counter() - t
+    assert rep.sites == {}
+    assert "dsv41" not in rep.after
+    assert rep.skipped and reason in rep.skipped[0].reason, rep.to_markdown()
+    assert rep.pass_seconds["mhc"] < 5.0 and elapsed < 120
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_iteration_count_follows_pass_config():
+    out, ref, rep = _run(_variant(iters=19), dp.PassConfig(providers=("reference",), hc_sinkhorn_iters=19))
+    assert rep.sites == {"mhc_stats": 1}
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+
+
+def test_dynamic_token_count():
+    def fn(h, fn_w, scale, base):
+        return hc_mixes(h, fn_w, scale, base, 20, 1e-6, 1e-6)
+
+    torch._dynamo.reset()
+    f = dp.compile(fn, REF)
+    for m in (3, 17, 40):
+        out = f(*_args(m))
+        ref = fn(*_args(m))
+        for a, b in zip(out, ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+    assert dp.last_report().sites == {"mhc_stats": 1}
