@@ -8,7 +8,9 @@ Fixed order, each stage timed and reported:
 4. ``wo_a``       inverse RoPE + grouped low-rank output projection;
 5. ``fuse``       mHC ops sharing the residual merge: stats + collapse -> ``mhc_pre`` (one
                   read), post -> next pre -> ``mhc_boundary`` (new residual written once);
-6. ``cleanup``    stable topological sort, dead-code elimination, lint.
+6. ``batch_invariant`` (batch-invariant mode only) every remaining matmul pinned to a kernel
+                  whose per-row arithmetic depends only on K;
+7. ``cleanup``    stable topological sort, dead-code elimination, lint.
 
 ``uuid()`` hashes the PassConfig (batch-invariant mode resolved), the source of
 every pattern, lowering and kernel module, and the torch/triton/tilelang versions,
@@ -114,6 +116,10 @@ class PostGradPassManager(CustomGraphPass):
                 from .patterns import mhc_fuse
 
                 stage("fuse", lambda: mhc_fuse.run(graph, ctx))
+            if self.batch_invariant:
+                from .patterns import batch_invariant as bi
+
+                stage("batch_invariant", lambda: bi.rewrite(graph, ctx))
             stage("cleanup", lambda: _cleanup(graph))
 
         report.pass_seconds = timings

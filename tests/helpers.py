@@ -10,7 +10,7 @@ EMULATE = {"emulate_precision_casts": True}  # Inductor rounds like eager: compi
 
 
 def tiny_model(max_num_tokens: int = 1024, **overrides) -> DeepseekV41ForCausalLM:
-    return DeepseekV41ForCausalLM(DeepseekV41Config.tiny(**overrides), max_num_tokens=max_num_tokens, max_num_seqs=4).eval()
+    return DeepseekV41ForCausalLM(DeepseekV41Config.tiny(**overrides), max_num_tokens=max_num_tokens, max_num_seqs=8).eval()
 
 
 def packed(lengths, vocab: int = 256, seed: int = 0):

@@ -36,12 +36,16 @@ def hc_mixes(
     iters: int,
     hc_eps: float,
     norm_eps: float,
+    linear=F.linear,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stats of the residual ``h [M, n, d]`` -> ``pre [M, n]``, ``post [M, n]``, ``comb [M, n, n]`` (fp32)."""
+    """Stats of the residual ``h [M, n, d]`` -> ``pre [M, n]``, ``post [M, n]``, ``comb [M, n, n]`` (fp32).
+
+    ``linear`` computes the projection (callers may pass an order-pinned matmul).
+    """
     n = h.shape[1]
     xf = h.flatten(1).float()
     rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
-    mix = F.linear(xf, fn) * rstd
+    mix = linear(xf, fn) * rstd
     pre = torch.sigmoid(mix[:, :n] * scale[0] + base[:n]) + hc_eps
     post = 2 * torch.sigmoid(mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
     logits = (mix[:, 2 * n :] * scale[2] + base[2 * n :]).unflatten(-1, (n, n))

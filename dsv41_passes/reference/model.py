@@ -94,6 +94,10 @@ class BatchMeta:
             start_pos = positions[:1].expand(m)
             last_pos = positions[-1:].expand(m)
         else:
+            torch._check(
+                cu_seqlens.shape[0] - 1 <= scratch_slot // window,
+                lambda: "more sequences in the batch than the model's max_num_seqs",
+            )
             seq_id = torch.searchsorted(cu_seqlens, tok, right=True) - 1  # no size-B tensor: B = 1 needs no own graph
             start_pos = positions[cu_seqlens[seq_id]]
             last_pos = positions[cu_seqlens[seq_id + 1] - 1]

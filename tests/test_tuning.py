@@ -1,0 +1,102 @@
+"""Tactic cache: round trip, rejected files, merge rules, disabled mode, batch-invariant mode."""
+
+import json
+import warnings
+
+import pytest
+
+import dsv41_passes as dp
+from dsv41_passes import tuning
+
+DEFAULT = {"BLOCK": 64, "num_warps": 4}
+KEY = {"d": 5120, "n": 4}
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    monkeypatch.delenv("DSV41_TACTICS", raising=False)
+    tuning.clear()
+    yield
+    tuning.clear()
+
+
+def test_buckets():
+    assert [tuning.bucket(m) for m in (1, 2, 3, 4, 5, 4096, 4097, 65536, 70000)] == [1, 2, 4, 4, 8, 4096, 8192, 65536, 65536]
+    assert tuning.buckets(16) == [1, 2, 4, 8, 16] and tuning.buckets()[-1] == 65536
+
+
+def test_round_trip(tmp_path):
+    tuning.record("mhc_post", 4096, KEY, {"BLOCK": 256, "num_warps": 8})
+    assert tuning.tactic("mhc_post", 3000, KEY, DEFAULT) == {"BLOCK": 256, "num_warps": 8}
+    assert tuning.tactic("mhc_post", 5000, KEY, DEFAULT) == DEFAULT  # another bucket
+    assert tuning.tactic("mhc_post", 3000, {"d": 4096, "n": 4}, DEFAULT) == DEFAULT  # another shape
+    path = tmp_path / "t.json"
+    assert dp.save_tactics(path) == 1
+    tuning.clear()
+    assert dp.load_tactics(path) == 1
+    assert tuning.tactic("mhc_post", 2049, KEY, DEFAULT) == {"BLOCK": 256, "num_warps": 8}
+    meta = json.loads(path.read_text())["meta"]
+    assert {"device", "capability", "torch", "triton", "tilelang", "dsv41_passes"} <= set(meta)
+
+
+def test_batch_invariant_mode_ignores_tuned_entries():
+    tuning.record("mhc_post", 4096, KEY, {"BLOCK": 256, "num_warps": 8})
+    assert tuning.tactic("mhc_post", 4096, KEY, DEFAULT, batch_invariant=True) == DEFAULT
+
+
+def test_metadata_mismatch_is_rejected_with_a_warning(tmp_path):
+    tuning.record("mhc_post", 64, KEY, {"BLOCK": 128, "num_warps": 4})
+    path = tmp_path / "t.json"
+    dp.save_tactics(path)
+    data = json.loads(path.read_text())
+    for field, value in (("device", "NVIDIA B200"), ("torch", "2.99.0"), ("triton", "9.9.9"), ("capability", [10, 0])):
+        bad = json.loads(json.dumps(data))
+        bad["meta"][field] = value
+        p = tmp_path / f"bad_{field}.json"
+        p.write_text(json.dumps(bad))
+        tuning.clear()
+        with pytest.warns(UserWarning, match=f"tuned elsewhere.*{field}"):
+            assert dp.load_tactics(p) == 0
+        assert tuning.entries() == {}
+
+
+@pytest.mark.parametrize("text", ["{not json", json.dumps({"meta": {}}), json.dumps([1, 2]), json.dumps({"meta": {}, "entries": {"k": 3}})])
+def test_corrupt_file_is_rejected_never_a_crash(tmp_path, text):
+    p = tmp_path / "c.json"
+    p.write_text(text)
+    with pytest.warns(UserWarning, match="corrupt"):
+        assert dp.load_tactics(p) == 0
+
+
+def test_missing_file_warns(tmp_path):
+    with pytest.warns(UserWarning, match="does not exist"):
+        assert dp.load_tactics(tmp_path / "nope.json") == 0
+
+
+def test_loading_never_drops_or_overrides_entries_tuned_here(tmp_path):
+    tuning.record("mhc_post", 64, KEY, {"BLOCK": 128, "num_warps": 4})
+    tuning.record("mhc_post", 65536, KEY, {"BLOCK": 1024, "num_warps": 8})  # the large-prefill tactic
+    first = tmp_path / "first.json"
+    dp.save_tactics(first)
+    tuning.clear()
+    tuning.record("mhc_post", 64, KEY, {"BLOCK": 64, "num_warps": 2})  # tuned again in this process
+    tuning.record("wo_a", 16, {"g": 2}, {"BM": 64})
+    assert dp.load_tactics(first) == 1  # only the entry this process lacks
+    assert dp.load_tactics(first) == 0  # a second load changes nothing
+    assert tuning.tactic("mhc_post", 64, KEY, DEFAULT) == {"BLOCK": 64, "num_warps": 2}
+    assert tuning.tactic("mhc_post", 65536, KEY, DEFAULT) == {"BLOCK": 1024, "num_warps": 8}
+    assert tuning.tactic("wo_a", 16, {"g": 2}, {}) == {"BM": 64}
+
+
+def test_disabled_cache(monkeypatch, tmp_path):
+    tuning.record("mhc_post", 64, KEY, {"BLOCK": 128, "num_warps": 4})
+    path = tmp_path / "t.json"
+    dp.save_tactics(path)
+    monkeypatch.setenv("DSV41_TACTICS", "off")
+    assert tuning.tactic("mhc_post", 64, KEY, DEFAULT) == DEFAULT
+    tuning.record("mhc_post", 128, KEY, {"BLOCK": 1})
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert dp.load_tactics(path) == 0
+        assert dp.save_tactics(tmp_path / "x.json") == 0
+    assert len(w) == 2 and not (tmp_path / "x.json").exists()
