@@ -46,10 +46,26 @@ def _report_dir() -> Path:
     return d
 
 
+def _canonical_graph(gm: torch.fx.GraphModule) -> str:
+    """The graph's structure with node names replaced by positions (names differ between equal graphs)."""
+    idx = {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    def ref(a: Any) -> Any:
+        return f"%{idx[a]}"
+
+    lines = []
+    for n in gm.graph.nodes:
+        target = "" if n.op == "placeholder" else (n.target if isinstance(n.target, str) else getattr(n.target, "__qualname__", str(n.target)))
+        args = torch.fx.node.map_arg(n.args, ref)
+        kwargs = torch.fx.node.map_arg(n.kwargs, ref)
+        lines.append(f"{n.op}|{target}|{args!r}|{sorted(kwargs.items())!r}")
+    return "\n".join(lines)
+
+
 def _graph_key(gm: torch.fx.GraphModule, example_inputs: list[Any], manager: PostGradPassManager, extra: dict) -> str:
     h = hashlib.sha256()
     h.update(manager.uuid().encode())
-    h.update(gm.code.encode())
+    h.update(_canonical_graph(gm).encode())
     for x in example_inputs:
         if isinstance(x, torch.Tensor):
             h.update(f"{tuple(x.shape)}|{x.dtype}|{x.device.type}|{tuple(x.stride())}".encode())
@@ -92,8 +108,11 @@ def make_backend(config: PassConfig | None = None, options: dict[str, Any] | Non
                 reports()[-1].save(path)
             except OSError:
                 pass
-        elif counters["inductor"]["fxgraph_cache_hit"] > hits and path.exists():
-            rep = RewriteReport.load(path)
+        elif counters["inductor"]["fxgraph_cache_hit"] > hits:
+            if path.exists():
+                rep = RewriteReport.load(path)
+            else:  # another graph compiled to the same cached code; its report was kept under its own key
+                rep = RewriteReport(warnings=["graph restored from the FX graph cache; its rewrite report was not kept"])
             rep.from_cache = True
             publish(rep)
         return compiled

@@ -1,0 +1,237 @@
+"""TileLang kernel of the WO-A family (sm_90a): inverse RoPE + grouped GEMM, token-major.
+
+``z [M, G*R] = per group g: rope^-1(o[:, g-th head group]) @ Wa[g]^T``. One CTA owns a
+``[BM, BN]`` tile of z whose BN columns lie in one group (``R % BN == 0``); CTAs that
+share a row tile are adjacent in launch order (column tiles fastest) so o is read from
+HBM about once and the weight stays in L2.
+
+The K loop has two parts, like the Triton kernel:
+
+1. a pipelined loop over every ``BK``-chunk without rope dims (all heads of the group):
+   copy o and W chunks to shared memory, ``T.gemm`` (wgmma on sm_90a, fp32 accumulation);
+2. each head's last chunk, which holds its ``RD`` rope dims: copy to shared, de-rotate
+   in fp32 into a second shared tile (bf16 store = the reference's rounding), ``T.gemm``.
+
+The rope table is read as ``cs [M, RD]`` fp32 with cos/sin interleaved per pair
+(``view_as_real`` of the complex table, so the model's spelling needs no copy).
+M is ``T.dynamic``: one binary per config serves every token count. nvcc runs with
+``--fmad=false`` so the de-rotation rounds like the reference (the GEMM is wgmma).
+"""
+
+# No ``from __future__ import annotations``: TileLang evaluates the prim_func annotations,
+# which name this module's closure variables.
+
+import threading
+from typing import Any
+
+import torch
+
+from ...tuning import tactic
+
+TARGET = {"kind": "cuda", "arch": "sm_90a"}
+
+# Tactic key of this provider (its configs differ from the Triton provider's).
+TACTIC_OP = "wo_a.tilelang"
+
+CANDIDATES: dict[str, list[dict]] = {
+    TACTIC_OP: [
+        dict(BM=bm, BN=bn, BK=bk, stages=s, threads=t)
+        for bm, bn, bk, s, t in [
+            (64, 32, 128, 4, 128), (64, 64, 128, 4, 128), (64, 128, 64, 4, 128), (64, 256, 64, 3, 128),
+            (128, 64, 64, 4, 256), (128, 128, 64, 4, 256), (128, 128, 128, 3, 256), (128, 256, 64, 3, 256),
+        ]
+    ]
+}
+BATCH_INVARIANT_CONFIG = dict(BM=128, BN=128, BK=64, stages=4, threads=256)
+
+
+def default_config(m: int) -> dict:
+    """Untuned choice by token count: narrow column tiles (more CTAs) for decode, big tiles for prefill."""
+    if m <= 64:
+        return dict(BM=64, BN=32, BK=128, stages=4, threads=128)
+    if m <= 1024:
+        return dict(BM=64, BN=64, BK=128, stages=4, threads=128)
+    if m <= 8192:
+        return dict(BM=128, BN=128, BK=64, stages=4, threads=256)
+    return dict(BM=128, BN=256, BK=64, stages=3, threads=256)
+
+
+def _pow2_divisor(x: int) -> int:
+    return x & -x
+
+
+def _tiles(cfg: dict, d: int, r: int, rope_dim: int) -> tuple[int, int]:
+    """(BN, BK) clipped to the shape: BN divides R, BK divides D and holds the rope dims."""
+    bn = min(cfg["BN"], _pow2_divisor(r))
+    bk = min(cfg["BK"], _pow2_divisor(d))
+    if rope_dim:
+        bk = max(bk, 1 << (rope_dim - 1).bit_length())
+    return bn, bk
+
+
+def shape_reason(h: int, d: int, g: int, r: int, rope_dim: int) -> str | None:
+    """Why the kernel cannot be built for this geometry (None when it can)."""
+    if r % 32:
+        return f"o_rank {r} is not a multiple of 32"
+    if d % 64:
+        return f"head_dim {d} is not a multiple of 64"
+    if rope_dim and _pow2_divisor(d) < max(64, 1 << (rope_dim - 1).bit_length()):
+        return f"rope_dim {rope_dim} does not fit one power-of-two chunk of head_dim {d}"
+    return None
+
+
+def unsupported_reason(o: torch.Tensor, weight: torch.Tensor, rope_dim: int) -> str | None:
+    _, h, d = o.shape
+    n, k = weight.shape
+    g = h * d // k
+    if o.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        return f"dtypes {o.dtype}/{weight.dtype} (kernel is bf16)"
+    if not o.is_contiguous():
+        return f"o is not contiguous (strides {tuple(o.stride())}); the kernel reads a dense [M, H*D]"
+    if not weight.is_contiguous():
+        return "weight is not contiguous"
+    return shape_reason(h, d, g, n // g, rope_dim)
+
+
+# ------------------------------------------------------------------ kernel
+def build(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN: int, BK: int, stages: int, threads: int):
+    """The TileLang prim_func for one geometry and config (M dynamic)."""
+    import tilelang.language as T
+
+    bf16, f32 = T.bfloat16, T.float32
+    M = T.dynamic("M")
+    K, N = hpg * d, g * r
+    RD = rope_dim
+    chunks = d // BK  # K-chunks per head
+    plain = chunks - 1 if RD else chunks  # per head, chunks without rope dims
+    rope_from = BK - RD  # first rope column inside a head's last chunk
+    cs_cols = max(RD, 2)  # the table's width (a placeholder column pair without RoPE)
+
+    @T.prim_func
+    def wo_a_kernel(
+        O: T.Tensor((M, g * K), bf16),
+        W: T.Tensor((N, K), bf16),
+        CS: T.Tensor((M, cs_cols), f32),
+        Z: T.Tensor((M, N), bf16),
+    ):
+        with T.Kernel(T.ceildiv(N, BN), T.ceildiv(M, BM), threads=threads) as (bx, by):
+            a_s = T.alloc_shared((BM, BK), bf16)
+            b_s = T.alloc_shared((BN, BK), bf16)
+            acc = T.alloc_fragment((BM, BN), f32)
+            col0 = (bx * BN // r) * K  # first o column of this tile's group
+            T.clear(acc)
+            if plain > 0:
+                for t in T.Pipelined(hpg * plain, num_stages=stages):
+                    k0 = (t // plain) * d + (t % plain) * BK
+                    T.copy(O[by * BM, col0 + k0], a_s)
+                    T.copy(W[bx * BN, k0], b_s)
+                    T.gemm(a_s, b_s, acc, transpose_B=True)
+            if RD > 0:
+                x_s = T.alloc_shared((BM, BK), bf16)
+                y_s = T.alloc_shared((BM, BK), bf16)
+                r_s = T.alloc_shared((BN, BK), bf16)
+                cs_s = T.alloc_shared((BM, cs_cols), f32)
+                T.copy(CS[by * BM, 0], cs_s)
+                for h in T.Pipelined(hpg, num_stages=2):
+                    k0 = h * d + d - BK
+                    T.copy(O[by * BM, col0 + k0], x_s)
+                    T.copy(W[bx * BN, k0], r_s)
+                    for i, j in T.Parallel(BM, BK):
+                        # pair (2p, 2p+1) of the tail: y0 = x0*c + x1*s, y1 = x1*c - x0*s
+                        jr = T.max(j - rope_from, 0)
+                        odd = jr % 2
+                        c = cs_s[i, jr - odd]
+                        s = cs_s[i, jr - odd + 1]
+                        x = T.cast(x_s[i, j], f32)
+                        xp = T.cast(x_s[i, j + 1 - 2 * odd], f32)
+                        y_s[i, j] = T.if_then_else(
+                            j >= rope_from, T.cast(x * c + xp * T.if_then_else(odd == 1, -s, s), bf16), x_s[i, j]
+                        )
+                    T.gemm(y_s, r_s, acc, transpose_B=True)
+            T.copy(acc, Z[by * BM, bx * BN])
+
+    return wo_a_kernel
+
+
+_CACHE: dict[tuple, Any] = {}
+_LOCK = threading.Lock()
+
+
+def compile_kernel(g: int, r: int, hpg: int, d: int, rope_dim: int, cfg: dict, target: dict | None = None):
+    """Compiled kernel for a geometry + config, cached (one binary serves every M)."""
+    key = (g, r, hpg, d, rope_dim, tuple(sorted(cfg.items())), tuple(sorted((target or TARGET).items())))
+    with _LOCK:
+        hit = _CACHE.get(key)
+        if hit is not None:
+            return hit
+        import tilelang
+        from tvm.target import Target
+
+        tgt = Target(target or TARGET)
+        with tgt:
+            fn = build(g, r, hpg, d, rope_dim, **cfg)
+            # no FMA contraction: the de-rotation rounds each product and sum like the reference
+            kernel = tilelang.compile(fn, target=tgt, execution_backend="tvm_ffi", compile_flags=["--fmad=false"])
+        _CACHE[key] = kernel
+        return kernel
+
+
+def lower_source(g: int, r: int, hpg: int, d: int, rope_dim: int, cfg: dict) -> str:
+    """CUDA source of the kernel for sm_90a (needs no GPU and no nvcc)."""
+    import tilelang
+    from tvm.target import Target
+
+    tgt = Target(TARGET)
+    with tgt:
+        return tilelang.lower(build(g, r, hpg, d, rope_dim, **cfg), target=tgt).kernel_source
+
+
+def tactic_key(o: torch.Tensor, weight: torch.Tensor, rope_dim: int) -> tuple[str, dict]:
+    """(op, shape key) under which this provider's tuned configs are stored (``rope_dim`` 0: no RoPE)."""
+    _, h, d = o.shape
+    n, k = weight.shape
+    g = h * d // k
+    return TACTIC_OP, dict(g=g, r=n // g, k=k, d=d, rd=rope_dim)
+
+
+def _rope_table(cos: torch.Tensor, sin: torch.Tensor, m: int, rope_dim: int) -> torch.Tensor:
+    """``cs [M, RD]`` with (cos, sin) interleaved; a view when cos/sin come from ``view_as_real``."""
+    if (
+        sin.data_ptr() == cos.data_ptr() + cos.element_size()
+        and cos.stride() == sin.stride() == (rope_dim, 2)
+    ):
+        return cos.as_strided((m, rope_dim), (rope_dim, 1))
+    return torch.stack((cos, sin), dim=-1).reshape(m, rope_dim)
+
+
+def wo_a(
+    o: torch.Tensor,
+    weight: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    rope_dim: int,
+    *,
+    batch_invariant: bool,
+    config: dict | None = None,
+) -> torch.Tensor:
+    m, h, d = o.shape
+    n, k = weight.shape
+    g = h * d // k
+    r = n // g
+    rd = rope_dim if cos is not None else 0
+    why = unsupported_reason(o, weight, rd)
+    if why:
+        raise ValueError(f"wo_a (tilelang): {why}")
+    z = torch.empty((m, n), dtype=o.dtype, device=o.device)
+    if m == 0:
+        return z
+    if config is None:
+        default = BATCH_INVARIANT_CONFIG if batch_invariant else default_config(m)
+        op, key = tactic_key(o, weight, rd)
+        config = tactic(op, m, key, default, batch_invariant=batch_invariant)
+    bn, bk = _tiles(config, d, r, rd)
+    cfg = dict(config, BN=bn, BK=bk)
+    kernel = compile_kernel(g, r, h // g, d, rd, cfg)
+    cs = _rope_table(cos, sin, m, rd) if rd else torch.empty((m, 2), dtype=torch.float32, device=o.device)  # unread
+    kernel(o.view(m, h * d), weight, cs, z)
+    return z

@@ -1,0 +1,354 @@
+"""dsv41::wo_a: the reference is the model's math; the kernels against it and against float64.
+
+CPU: reference provider, Triton under the interpreter (small shapes), TileLang built for
+sm_90a with nvcc (no GPU). GPU (``-m gpu``): both kernels at the per-rank TP4 and the TP1
+shapes, M in {1, 7, 4096, 4097}, and bitwise row invariance across M.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import dsv41_passes  # noqa: F401  (registers torch.ops.dsv41.*)
+from dsv41_passes.lowering.registry import choose, encode_mode
+from dsv41_passes.reference.rope import apply_rotary_complex, rope_table
+
+BF16 = torch.bfloat16
+# the Triton tests run the GPU kernel where there is one, else the interpreter (tiny shapes, tiles >= 16)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROOT = Path(__file__).resolve().parents[2]
+MAX_POS = 4096
+TABLE = rope_table(64, MAX_POS, 10000.0, None)
+
+
+def make(m, h, d, g, r, rd, seed=0, device="cpu", head_pad=0):
+    """o [M, H, D] (token stride (H + head_pad) * D), weight [G*R, K], complex table rows, strided cos/sin views."""
+    gen = torch.Generator().manual_seed(seed)
+    k = h // g * d
+    o = torch.randn(m, h + head_pad, d, generator=gen).to(BF16)[:, :h]
+    w = (torch.randn(g * r, k, generator=gen) / k**0.5).to(BF16)
+    pos = torch.randint(0, MAX_POS, (m,), generator=gen)
+    freqs = rope_table(rd, MAX_POS, 10000.0, None)[pos] if rd != 64 else TABLE[pos]
+    o, w, freqs = o.to(device), w.to(device), freqs.to(device)
+    table = torch.view_as_real(freqs)  # the views the pattern's replacement passes
+    return o, w, freqs, table[..., 0], table[..., 1]
+
+
+def model_math(o, w, freqs, g, rd):
+    """Attention.forward's tail, verbatim."""
+    m = o.shape[0]
+    o = o.clone(memory_format=torch.contiguous_format)  # the attention output is a fresh contiguous tensor
+    if freqs is not None:
+        o[..., -rd:] = apply_rotary_complex(o[..., -rd:], freqs, inverse=True)
+    og = o.view(m, g, -1)
+    wa = w.view(g, -1, og.shape[-1])
+    return torch.einsum("mgd,grd->mgr", og, wa).flatten(1)
+
+
+def float64_oracle(o, w, cos, sin, rd, g):
+    """Exact math: the inverse rotation and the projection in float64, no intermediate rounding."""
+    x = o.double().clone()
+    if cos is not None:
+        t = x[..., -rd:].unflatten(-1, (-1, 2))
+        c, s = cos.double()[:, None], sin.double()[:, None]
+        y0 = t[..., 0] * c + t[..., 1] * s
+        y1 = t[..., 1] * c - t[..., 0] * s
+        x[..., -rd:] = torch.stack((y0, y1), -1).flatten(-2)
+    m, k = x.shape[0], w.shape[1]
+    return torch.einsum("mgd,grd->mgr", x.reshape(m, g, k), w.double().view(g, -1, k)).reshape(m, -1)
+
+
+def normwise_error(out, ref64):
+    return ((out.double() - ref64).norm() / ref64.norm()).item()
+
+
+def assert_bf16_gemm_close(out, ref):
+    """Within bf16 GEMM tolerance: one bf16 rounding of a differently ordered fp32 sum."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype == BF16
+    scale = ref.float().abs().mean().item()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=1e-3 * scale)
+
+
+def run_op(providers, o, w, cos, sin, rd, batch_invariant=False):
+    return torch.ops.dsv41.wo_a(o, w, cos, sin, rd, providers, encode_mode(batch_invariant))
+
+
+# ------------------------------------------------------------------ reference provider
+@pytest.mark.parametrize("rope", [True, False])
+def test_reference_is_the_model_math(rope):
+    o, w, freqs, cos, sin = make(11, 4, 64, 2, 32, 16, head_pad=3)
+    if not rope:
+        freqs = cos = sin = None
+    out = run_op("reference", o, w, cos, sin, 16)
+    assert out.is_contiguous() and out.shape == (11, 64)
+    assert torch.equal(out, model_math(o, w, freqs, 2, 16))
+
+
+@pytest.mark.parametrize("shape", [(13, 4, 64, 2, 32, 16), (5, 8, 128, 4, 16, 64)])
+def test_reference_vs_float64(shape):
+    m, h, d, g, r, rd = shape
+    o, w, _, cos, sin = make(m, h, d, g, r, rd)
+    out = run_op("reference", o, w, cos, sin, rd)
+    assert normwise_error(out, float64_oracle(o, w, cos, sin, rd, g)) <= 4e-3
+
+
+# ------------------------------------------------------------------ Triton (interpreter on CPU)
+TRITON_SHAPES = [
+    # (M, H, D, G, R, rope_dim)
+    (1, 4, 64, 2, 32, 16),
+    (7, 4, 64, 2, 32, 16),  # the tiny model's attention tail
+    (33, 8, 64, 2, 32, 64),  # rope over the whole head: no plain chunk
+    (19, 16, 64, 2, 48, 32),  # R not a power of two (BN 16), TP4-like head count
+    (6, 2, 48, 1, 16, 8),  # one group, D not a power of two (BK 16)
+]
+
+
+@pytest.mark.parametrize("shape", TRITON_SHAPES, ids=lambda s: "M{}_H{}_D{}_G{}_R{}_rd{}".format(*s))
+@pytest.mark.parametrize("rope", [True, False], ids=["rope", "no_rope"])
+def test_triton_vs_reference_and_float64(shape, rope):
+    m, h, d, g, r, rd = shape
+    o, w, _, cos, sin = make(m, h, d, g, r, rd, seed=m, head_pad=1, device=DEVICE)
+    if not rope:
+        cos = sin = None
+    p, why = choose("wo_a", "triton,reference", False, o, w, cos, sin, rd)
+    assert p.name == "triton", why
+    out = run_op("triton", o, w, cos, sin, rd)
+    ref = run_op("reference", o, w, cos, sin, rd)
+    assert out.is_contiguous()
+    assert_bf16_gemm_close(out, ref)
+    assert normwise_error(out, float64_oracle(o, w, cos, sin, rd, g)) <= 4e-3
+
+
+@pytest.mark.parametrize(
+    "config",
+    [dict(BM=16, BN=16, BK=16), dict(BM=16, BN=32, BK=32), dict(BM=32, BN=16, BK=64), dict(BM=64, BN=32, BK=128)],
+    ids=lambda c: "BM{BM}_BN{BN}_BK{BK}".format(**c),
+)
+def test_triton_tile_configs(config):
+    """Every chunking of the K loop (rope dims a part of the chunk, the whole chunk, the whole head) agrees."""
+    from dsv41_passes.lowering.triton import wo_a as tk
+
+    o, w, _, cos, sin = make(21, 4, 64, 2, 32, 16, seed=3, device=DEVICE)
+    out = tk.wo_a(o, w, cos, sin, 16, batch_invariant=False, config=dict(config, num_warps=4, num_stages=2))
+    assert_bf16_gemm_close(out, run_op("reference", o, w, cos, sin, 16))
+
+
+def test_triton_batch_invariant_rows():
+    """batch-invariant mode: a row's bits do not depend on M (several row tiles included)."""
+    o, w, _, cos, sin = make(70, 4, 64, 2, 32, 16, seed=5, device=DEVICE)
+    full = run_op("triton", o, w, cos, sin, 16, batch_invariant=True)
+    for m in (1, 5, 64, 69):
+        part = run_op("triton", o[:m], w, cos[:m], sin[:m], 16, batch_invariant=True)
+        assert torch.equal(part, full[:m]), m
+
+
+def test_triton_planar_cos_sin():
+    """Separate contiguous cos/sin (the real spelling) read like the complex table's strided views."""
+    o, w, _, cos, sin = make(9, 4, 64, 2, 32, 16, seed=9, device=DEVICE)
+    a = run_op("triton", o, w, cos, sin, 16)
+    b = run_op("triton", o, w, cos.contiguous(), sin.contiguous(), 16)
+    assert torch.equal(a, b)
+
+
+def test_tunables_run_every_candidate():
+    """The warm-up's entry: the model's per-rank shapes, the same tactic key the launcher asks for, every
+    candidate config (clipped to the shape) correct."""
+    from dsv41_passes.lowering.triton import wo_a as tk
+    from dsv41_passes.lowering.wo_a import tunables
+    from dsv41_passes.reference import DeepseekV41Config
+
+    (t,) = [t for t in tunables(DeepseekV41Config.tiny(), DEVICE) if t.op == "wo_a"]
+    inputs = t.make_inputs(9, DEVICE)
+    assert tk.tactic_key(inputs[0], inputs[1], inputs[4]) == (t.op, t.shape_key)
+    assert t.default == tk.BATCH_INVARIANT_CONFIG
+    ref = run_op("reference", *inputs)
+    for cand in t.candidates:
+        assert_bf16_gemm_close(t.run(inputs, cand), ref)
+
+
+# ------------------------------------------------------------------ op contract
+@pytest.mark.parametrize("providers", ["reference", "triton,reference"])
+def test_zero_tokens(providers):
+    o, w, _, cos, sin = make(0, 4, 64, 2, 32, 16, device=DEVICE)
+    out = run_op(providers, o, w, cos, sin, 16)
+    assert out.shape == (0, 64) and out.dtype == BF16
+
+
+def test_opcheck():
+    o, w, _, cos, sin = make(5, 4, 64, 2, 32, 16, device=DEVICE)
+    for args in ((o, w, cos, sin, 16), (o, w, None, None, 0)):
+        torch.library.opcheck(torch.ops.dsv41.wo_a.default, (*args, "triton,reference", encode_mode(False)))
+
+
+def test_fake_matches_real_layout():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    o, w, _, cos, sin = make(5, 4, 64, 2, 32, 16, head_pad=2)
+    real = run_op("reference", o, w, cos, sin, 16)
+    with FakeTensorMode() as mode:
+        fo, fw, fc, fs = (mode.from_tensor(t) for t in (o, w, cos, sin))
+        fake = torch.ops.dsv41.wo_a(fo, fw, fc, fs, 16, "reference", 0)
+    assert fake.shape == real.shape and fake.stride() == real.stride() and fake.dtype == real.dtype
+
+
+@pytest.mark.parametrize(
+    "mutate,msg",
+    [
+        (lambda a: {**a, "o": a["o"].float()}, "must be bfloat16"),
+        (lambda a: {**a, "o": a["o"][0]}, "o must be [M, H, D]"),
+        (lambda a: {**a, "w": a["w"][:, :100]}, "does not divide"),
+        (lambda a: {**a, "w": a["w"][:63]}, "not a multiple of the group count"),
+        (lambda a: {**a, "sin": None}, "given together"),
+        (lambda a: {**a, "rd": 15}, "rope_dim must be even"),
+        (lambda a: {**a, "cos": a["cos"][:, :4]}, "cos must be [M, rope_dim/2]"),
+        (lambda a: {**a, "cos": a["cos"].double()}, "cos must be float32"),
+        (lambda a: {**a, "o": a["o"].transpose(1, 2).contiguous().transpose(1, 2)}, "contiguous heads"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(mutate, msg):
+    o, w, _, cos, sin = make(5, 4, 64, 2, 32, 16)
+    a = mutate(dict(o=o, w=w, cos=cos, sin=sin, rd=16))
+    with pytest.raises(ValueError, match=msg.replace("[", r"\[").replace("]", r"\]")):
+        run_op("reference", a["o"], a["w"], a["cos"], a["sin"], a["rd"])
+
+
+def test_triton_declines_shapes_it_cannot_tile():
+    o, w, _, cos, sin = make(5, 4, 64, 2, 24, 16, device=DEVICE)  # R = 24
+    p, why = choose("wo_a", "tilelang,triton,reference", False, o, w, cos, sin, 16)
+    assert p.name == "reference"
+    assert any("o_rank 24 is not a multiple of 16" in w for w in why), why
+    assert any(w.startswith("tilelang:") for w in why), why
+
+
+# ------------------------------------------------------------------ Triton: built for sm_90 without a GPU
+_TRITON_BUILD = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dsv41_passes.lowering.triton import wo_a as tk
+
+kernel = tk._wo_a_kernel
+POINTERS = {"o_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "z_ptr": "*bf16"}
+ALIGNED = (*POINTERS, "stride_om", "stride_wn", "stride_cm", "stride_sm", "stride_zm")  # as real launches see them
+out = {}
+for name, cfg in (("batch_invariant", tk.BATCH_INVARIANT_CONFIG), ("decode", tk.default_config(1)),
+                  ("prefill", tk.default_config(65536))):
+    bn, bk = tk._tile_sizes(cfg, 512, 1024, 64)  # TP4 per rank: G 2, R 1024, 8 heads of 512 per group, rope 64
+    consts = dict(R=1024, D=512, HPG=8, RD=64, N_TILES=2048 // bn, BM=cfg["BM"], BN=bn, BK=bk, INTERP=False)
+    sig = {a: POINTERS.get(a, "constexpr" if a in consts else "i32") for a in kernel.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names) if a in ALIGNED}
+    compiled = triton.compile(ASTSource(kernel, sig, consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                                           enable_fp_fusion=False))
+    out[name] = dict(ptx=compiled.asm["ptx"], shared=compiled.metadata.shared,
+                     stage_bytes=2 * bk * (cfg["BM"] + bn), stages=cfg["num_stages"])
+json.dump(out, sys.stdout)
+"""
+
+
+def test_triton_compiles_for_sm90():
+    """The GPU build (not the interpreter): tensor-core dots, a pipelined K loop, M a runtime argument."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(_TRITON_BUILD)], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    builds = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "wgmma" in builds["batch_invariant"]["ptx"] and "wgmma" in builds["prefill"]["ptx"]
+    assert "mma.sync" in builds["decode"]["ptx"]  # BM 16: below the wgmma tile
+    for name, b in builds.items():
+        assert b["shared"] >= 2 * b["stage_bytes"], f"{name}: K loop not software-pipelined ({b['shared']} B smem)"
+        assert "fma.rn.f32" not in b["ptx"], f"{name}: FMA contraction in the de-rotation"
+
+
+# ------------------------------------------------------------------ TileLang: built for sm_90a without a GPU
+_TILELANG_BUILD = """
+import json, sys
+from dsv41_passes.lowering.tilelang import wo_a as tw
+g, r, hpg, d, rd = 2, 1024, 8, 512, 64  # DeepSeek-V4.1-Flash per rank at TP4
+out = {}
+bn, bk = tw._tiles(tw.BATCH_INVARIANT_CONFIG, d, r, rd)
+kernel = tw.compile_kernel(g, r, hpg, d, rd, dict(tw.BATCH_INVARIANT_CONFIG, BN=bn, BK=bk))  # nvcc, sm_90a
+out["batch_invariant"] = kernel.get_kernel_source()
+bn, bk = tw._tiles(tw.default_config(1), d, r, rd)
+out["decode"] = tw.lower_source(g, r, hpg, d, rd, dict(tw.default_config(1), BN=bn, BK=bk))  # codegen only
+json.dump(out, sys.stdout)
+"""
+
+
+def _tilelang_missing() -> str | None:
+    try:
+        import tilelang  # noqa: F401
+    except Exception as e:  # pragma: no cover - depends on the install
+        return f"tilelang is not importable ({type(e).__name__}: {e})"
+    if shutil.which("nvcc") is None:
+        return "nvcc is not on PATH (TileLang compiles CUDA sources with it)"
+    return None
+
+
+@pytest.mark.skipif(_tilelang_missing() is not None, reason=str(_tilelang_missing()))
+def test_tilelang_compiles_for_sm90a(tmp_path):
+    import json
+
+    env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path / "tilelang"),
+               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(_TILELANG_BUILD)], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    sources = json.loads(r.stdout.strip().splitlines()[-1])
+    for name, src in sources.items():
+        assert "wgmma" in src, f"{name}: no tensor-core wgmma in the sm_90a source"
+        assert "int M" in src, f"{name}: the token count is not a runtime argument"
+    assert "tma_load" in sources["batch_invariant"]
+
+
+# ------------------------------------------------------------------ GPU
+TP_SHAPES = {"tp4": (16, 512, 2, 1024, 64), "tp1": (64, 512, 8, 1024, 64)}  # (H, D, G, R, rope_dim)
+GPU_M = (1, 7, 4096, 4097)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("provider", ["triton", "tilelang"])
+@pytest.mark.parametrize("tp", sorted(TP_SHAPES))
+def test_gpu_numerics(provider, tp):
+    h, d, g, r, rd = TP_SHAPES[tp]
+    o_all, w, _, cos_all, sin_all = make(max(GPU_M), h, d, g, r, rd, device="cuda")
+    for m in GPU_M:
+        o, cos, sin = o_all[:m], cos_all[:m], sin_all[:m]
+        for c, s in ((cos, sin), (None, None)):
+            p, why = choose("wo_a", provider, False, o, w, c, s, rd)
+            assert p is not None, why
+            out = run_op(provider, o, w, c, s, rd)
+            ref = run_op("reference", o, w, c, s, rd)
+            assert_bf16_gemm_close(out, ref)
+            assert normwise_error(out, float64_oracle(o, w, c, s, rd, g)) <= 4e-3, (m, c is not None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("provider", ["triton", "tilelang"])
+@pytest.mark.parametrize("tp", sorted(TP_SHAPES))
+def test_gpu_batch_invariant_rows(provider, tp):
+    h, d, g, r, rd = TP_SHAPES[tp]
+    o, w, _, cos, sin = make(max(GPU_M), h, d, g, r, rd, seed=1, device="cuda")
+    full = run_op(provider, o, w, cos, sin, rd, batch_invariant=True)
+    for m in GPU_M:
+        part = run_op(provider, o[:m], w, cos[:m], sin[:m], rd, batch_invariant=True)
+        assert torch.equal(part, full[:m]), m
+
+
+@pytest.mark.gpu
+def test_gpu_triton_strided_o_and_tilelang_declines():
+    h, d, g, r, rd = TP_SHAPES["tp4"]
+    o, w, _, cos, sin = make(77, h, d, g, r, rd, device="cuda", head_pad=16)
+    p, why = choose("wo_a", "tilelang,triton,reference", False, o, w, cos, sin, rd)
+    assert p.name == "triton" and any("not contiguous" in x for x in why), why
+    assert_bf16_gemm_close(run_op("triton", o, w, cos, sin, rd), run_op("reference", o, w, cos, sin, rd))
