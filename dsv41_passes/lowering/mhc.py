@@ -53,24 +53,6 @@ def _mhc_post_reference(y, res, post, comb, *, batch_invariant):
     return ref.hc_post(y, res, post, comb).contiguous()
 
 
-def _mhc_post_triton_ok(y, res, post, comb, *, batch_invariant):
-    why = triton_available(res)
-    if why:
-        return why
-    if res.dtype != torch.bfloat16:
-        return f"residual dtype {res.dtype} (kernel is bf16)"
-    if res.stride(-1) != 1 or y.stride(-1) != 1:
-        return "hidden dim not contiguous"
-    return None
-
-
-@register_provider("mhc_post", "triton", _mhc_post_triton_ok)
-def _mhc_post_triton(y, res, post, comb, *, batch_invariant):
-    from .triton import mhc as tk
-
-    return tk.mhc_post(y, res, post, comb, batch_invariant=batch_invariant)
-
-
 # ---------------------------------------------------------------------------
 # stats: projection + RMS + split/sigmoid/Sinkhorn
 # ---------------------------------------------------------------------------
@@ -108,9 +90,17 @@ def _mhc_stats_fake(h, fn, scale, base, iters, hc_eps, norm_eps, providers, mode
     return _stats_out(h)
 
 
+def _bi_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    from .matmul import ordered_matmul
+
+    return ordered_matmul(x, w.t())
+
+
 @register_provider("mhc_stats", "reference")
 def _mhc_stats_reference(h, fn, scale, base, iters, hc_eps, norm_eps, *, batch_invariant):
-    return tuple(t.contiguous() for t in ref.hc_mixes(h, fn, scale, base, iters, hc_eps, norm_eps))
+    # library GEMMs change their reduction order with M; batch-invariant mode pins it
+    linear = _bi_linear if batch_invariant else torch.nn.functional.linear
+    return tuple(t.contiguous() for t in ref.hc_mixes(h, fn, scale, base, iters, hc_eps, norm_eps, linear=linear))
 
 
 # ---------------------------------------------------------------------------
@@ -209,3 +199,170 @@ def _mhc_boundary_reference(
     new_res = ref.hc_post(y, res, post, comb).contiguous()
     return (new_res, *_mhc_pre_reference(new_res, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps,
                                          batch_invariant=batch_invariant))
+
+
+# ---------------------------------------------------------------------------
+# Triton / TileLang providers (kernels imported lazily). The projection ops take
+# the bf16x3 parts of ``fn`` from the derived-weight cache before any output is
+# allocated, so a static-weights rejection leaves nothing written.
+# ---------------------------------------------------------------------------
+def _kernel_residual_ok(res: torch.Tensor) -> str | None:
+    from .triton import mhc as tk  # only reached once triton is importable
+
+    return tk.unsupported(res)
+
+
+def _triton_post_ok(y, res, post, comb, *, batch_invariant):
+    why = triton_available(res) or _kernel_residual_ok(res)
+    if why:
+        return why
+    if y.dtype != res.dtype:
+        return f"y dtype {y.dtype} differs from the residual's {res.dtype}"
+    if y.stride(-1) != 1:
+        return "y is not contiguous along hidden"
+    return None
+
+
+# Supersedes the first "triton" registration of mhc_post above (adds the hc_mult/layout checks).
+@register_provider("mhc_post", "triton", _triton_post_ok)
+def _triton_post(y, res, post, comb, *, batch_invariant):
+    from .triton import mhc as tk
+
+    return tk.mhc_post(y, res, post, comb, batch_invariant=batch_invariant)
+
+
+def _triton_collapse_ok(h, pre, weight, eps, *, batch_invariant):
+    return triton_available(h) or _kernel_residual_ok(h)
+
+
+@register_provider("mhc_collapse", "triton", _triton_collapse_ok)
+def _triton_collapse(h, pre, weight, eps, *, batch_invariant):
+    from .triton import mhc as tk
+
+    return tk.mhc_collapse(h, pre, weight, eps, batch_invariant=batch_invariant)
+
+
+def _parts(fn: torch.Tensor, mode: int) -> torch.Tensor:
+    from .mhc_weights import bf16x3_parts
+    from .registry import static_weights
+
+    return bf16x3_parts(fn, static=static_weights(mode))
+
+
+def _triton_stats_ok(h, fn, scale, base, iters, hc_eps, norm_eps, *, batch_invariant):
+    return triton_available(h) or _kernel_residual_ok(h)
+
+
+@register_provider("mhc_stats", "triton", _triton_stats_ok, wants_mode=True)
+def _triton_stats(h, fn, scale, base, iters, hc_eps, norm_eps, *, batch_invariant, mode):
+    from .triton import mhc as tk
+
+    parts = _parts(fn, mode)
+    return tk.mhc_stats(h, parts, scale, base, iters, hc_eps, norm_eps, batch_invariant=batch_invariant)
+
+
+def _triton_pre_ok(h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, *, batch_invariant):
+    return triton_available(h) or _kernel_residual_ok(h)
+
+
+@register_provider("mhc_pre", "triton", _triton_pre_ok, wants_mode=True)
+def _triton_pre(h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, *, batch_invariant, mode):
+    from .triton import mhc as tk
+
+    parts = _parts(fn, mode)
+    return tk.mhc_pre(h, pre_prev, parts, scale, base, weight, iters, hc_eps, norm_eps, eps,
+                      batch_invariant=batch_invariant)
+
+
+def _triton_boundary_ok(y, res, post, comb, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, *,
+                        batch_invariant):
+    return _triton_post_ok(y, res, post, comb, batch_invariant=batch_invariant)
+
+
+@register_provider("mhc_boundary", "triton", _triton_boundary_ok, wants_mode=True)
+def _triton_boundary(y, res, post, comb, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, *,
+                     batch_invariant, mode):
+    from .triton import mhc as tk
+
+    parts = _parts(fn, mode)
+    return tk.mhc_boundary(y, res, post, comb, pre_prev, parts, scale, base, weight, iters, hc_eps, norm_eps, eps,
+                           batch_invariant=batch_invariant)
+
+
+def _tilelang_stats_ok(h, fn, scale, base, iters, hc_eps, norm_eps, *, batch_invariant):
+    from .registry import tilelang_available
+
+    why = tilelang_available(h)
+    if why:
+        return why
+    from .tilelang import mhc as tlk
+
+    return tlk.unsupported(h)
+
+
+@register_provider("mhc_stats", "tilelang", _tilelang_stats_ok, wants_mode=True)
+def _tilelang_stats(h, fn, scale, base, iters, hc_eps, norm_eps, *, batch_invariant, mode):
+    from .tilelang import mhc as tlk
+
+    parts = _parts(fn, mode)
+    return tlk.mhc_stats(h, parts, scale, base, iters, hc_eps, norm_eps, batch_invariant=batch_invariant)
+
+
+# ---------------------------------------------------------------------------
+# warm-up / tuning entries (dsv41_passes.tuning.warmup)
+# ---------------------------------------------------------------------------
+def tunables(config, device=None) -> list:
+    """``tuning.Tunable`` entries of the Triton mHC kernels at ``config``'s shapes (hc_mult 4, bf16)."""
+    from ..tuning import Tunable
+    from .mhc_weights import build_parts
+    from .triton import mhc as tk
+
+    n, d = config.hc_mult, config.hidden_size
+    if n != 4:
+        return []
+    key = dict(d=d, n=n)
+    iters, hc_eps, eps = config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps
+
+    def weights(dev):
+        g = torch.Generator().manual_seed(0)
+        fn = (torch.randn(config.mix_hc, n * d, generator=g) / (n * d) ** 0.5).to(dev)
+        return fn, build_parts(fn), torch.ones(3, device=dev), torch.zeros(config.mix_hc, device=dev), torch.ones(d, device=dev)
+
+    def res(m, dev):
+        return torch.randn(m, n, d, device=dev).to(torch.bfloat16)
+
+    def small(m, dev):
+        return (torch.rand(m, n, device=dev), torch.softmax(torch.randn(m, n, n, device=dev), -1))
+
+    def post_inputs(m, dev):
+        return (torch.randn(m, d, device=dev).to(torch.bfloat16), res(m, dev), *small(m, dev))
+
+    def collapse_inputs(m, dev):
+        return (res(m, dev), torch.rand(m, n, device=dev), torch.ones(d, device=dev), eps)
+
+    def stats_inputs(m, dev):
+        _, parts, scale, base, _ = weights(dev)
+        return (res(m, dev), parts, scale, base, iters, hc_eps, eps)
+
+    def pre_inputs(m, dev):
+        _, parts, scale, base, w = weights(dev)
+        return (res(m, dev), torch.rand(m, n, device=dev), parts, scale, base, w, iters, hc_eps, eps, eps)
+
+    def boundary_inputs(m, dev):
+        _, parts, scale, base, w = weights(dev)
+        return (*post_inputs(m, dev), torch.rand(m, n, device=dev), parts, scale, base, w, iters, hc_eps, eps, eps)
+
+    def runner(fn):
+        return lambda inputs, cfg: fn(*inputs, batch_invariant=False, config=cfg)
+
+    table = {
+        "mhc_post": (post_inputs, tk.mhc_post),
+        "mhc_collapse": (collapse_inputs, tk.mhc_collapse),
+        "mhc_stats": (stats_inputs, tk.mhc_stats),
+        "mhc_pre": (pre_inputs, tk.mhc_pre),
+        "mhc_boundary": (boundary_inputs, tk.mhc_boundary),
+    }
+    return [
+        Tunable(op, key, make, runner(fn), tk.CANDIDATES[op], tk.default_config(op))
+        for op, (make, fn) in table.items()
+    ]

@@ -1,0 +1,480 @@
+"""mHC kernels (Triton; TileLang compile): numerics vs float64, bitwise identities between the fused
+ops, batch invariance, declines and errors. On CPU the Triton kernels run under the interpreter
+with small shapes; the ``gpu`` tests repeat the numerics at V4.1-Flash shapes on an H200."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from dsv41_passes.lowering import registry
+from dsv41_passes.lowering.mhc_weights import build_parts
+from dsv41_passes.reference import mhc as ref
+
+tk = pytest.importorskip("dsv41_passes.lowering.triton.mhc")
+
+BF16 = torch.bfloat16
+ITERS, HC_EPS, NORM_EPS, EPS = 20, 1e-6, 1e-6, 1e-6
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+D = 256 if DEV == "cuda" else 64  # small hidden: tensor-core chunks need hidden/16 % 16 == 0 on a GPU
+
+
+# ----------------------------------------------------------------------------- inputs and float64 oracles
+def make_inputs(m: int, d: int, seed: int = 0, device: str = DEV):
+    g = torch.Generator(device=device).manual_seed(seed)
+    k = 4 * d
+    kw = dict(generator=g, device=device)
+    return dict(
+        h=torch.randn(m, 4, d, **kw).to(BF16),
+        fn=torch.randn(24, k, **kw) / k**0.5,
+        scale=torch.rand(3, **kw) + 0.5,
+        base=torch.randn(24, **kw) * 0.5,
+        y=torch.randn(m, d, **kw).to(BF16),
+        pre_prev=torch.rand(m, 4, **kw) + 0.1,
+        post=2 * torch.rand(m, 4, **kw),
+        comb=ref.sinkhorn(torch.randn(m, 4, 4, **kw), ITERS, HC_EPS),
+        w=torch.rand(d, **kw) + 0.5,
+    )
+
+
+def mixes64(h, fn, norm_eps=NORM_EPS):
+    xf = h.flatten(1).double()
+    rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+    return (xf @ fn.double().T) * rstd
+
+
+def split64(mix, scale, base, iters=ITERS, hc_eps=HC_EPS):
+    s, b = scale.double(), base.double()
+    pre = torch.sigmoid(mix[:, :4] * s[0] + b[:4]) + hc_eps
+    post = 2 * torch.sigmoid(mix[:, 4:8] * s[1] + b[4:8])
+    c = (mix[:, 8:] * s[2] + b[8:]).unflatten(-1, (4, 4)).softmax(-1) + hc_eps
+    c = c / (c.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + hc_eps)
+        c = c / (c.sum(-2, keepdim=True) + hc_eps)
+    return pre, post, c
+
+
+def collapse64(h, pre):
+    return (pre.double().unsqueeze(-1) * h.double()).sum(1)
+
+
+def norm64(x_bf16, w, eps=EPS):
+    xf = x_bf16.double()
+    return w.double() * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps))
+
+
+def post64(y, res, post, comb):
+    return post.double().unsqueeze(-1) * y.double().unsqueeze(1) + (
+        comb.double().unsqueeze(-1) * res.double().unsqueeze(2)
+    ).sum(1)
+
+
+def bf16_ulp(x64):
+    return torch.exp2(torch.floor(torch.log2(x64.abs().clamp_min(2.0**-126))) - 7)
+
+
+def assert_ulps(out, ref64, ulps=1.0):
+    err = (out.double() - ref64).abs()
+    worst = (err / bf16_ulp(ref64)).max().item() if err.numel() else 0.0
+    assert worst <= ulps, f"max error {worst:.3f} bf16 ulp (bound {ulps})"
+
+
+def normwise(out, ref64):
+    return ((out.double() - ref64).norm() / ref64.norm()).item()
+
+
+def assert_equal(a, b, what=""):
+    assert a.shape == b.shape and torch.equal(a, b), f"{what}: {(a != b).sum().item()} elements differ"
+
+
+# ----------------------------------------------------------------------------- runners
+def stats(t, **kw):
+    return tk.mhc_stats(t["h"], build_parts(t["fn"]), t["scale"], t["base"], ITERS, HC_EPS, NORM_EPS,
+                        batch_invariant=kw.pop("bi", True), **kw)
+
+
+def pre_op(t, weight="w", **kw):
+    return tk.mhc_pre(t["h"], t["pre_prev"], build_parts(t["fn"]), t["scale"], t["base"],
+                      t[weight] if weight else None, ITERS, HC_EPS, NORM_EPS, EPS,
+                      batch_invariant=kw.pop("bi", True), **kw)
+
+
+def boundary_op(t, weight="w", **kw):
+    return tk.mhc_boundary(t["y"], t["h"], t["post"], t["comb"], t["pre_prev"], build_parts(t["fn"]), t["scale"],
+                           t["base"], t[weight] if weight else None, ITERS, HC_EPS, NORM_EPS, EPS,
+                           batch_invariant=kw.pop("bi", True), **kw)
+
+
+def collapse_op(t, weight="w", **kw):
+    return tk.mhc_collapse(t["h"], t["pre_prev"], t[weight] if weight else None, EPS,
+                           batch_invariant=kw.pop("bi", True), **kw)
+
+
+def post_op(t, **kw):
+    return tk.mhc_post(t["y"], t["h"], t["post"], t["comb"], batch_invariant=kw.pop("bi", True), **kw)
+
+
+def check_stats_numerics(t, mixes, pre, post, comb):
+    m64 = mixes64(t["h"], t["fn"])
+    err = normwise(mixes, m64)
+    assert err <= 1e-6, f"mixes normwise relative error {err:.3e}"
+    for name, out, r in zip(("pre", "post", "comb"), (pre, post, comb), split64(m64, t["scale"], t["base"])):
+        torch.testing.assert_close(out.double(), r, rtol=2e-5, atol=2e-6, msg=lambda s: f"{name}: {s}")
+
+
+def check_collapse_numerics(t, x_plain, x_normed):
+    """Collapse: one rounding of the exact value (almost always the correctly rounded one). Norm: one
+    rounding of the float64 norm of that bf16 collapse (the reference rounds the collapse first)."""
+    c64 = collapse64(t["h"], t["pre_prev"])
+    assert_ulps(x_plain, c64, 1.0)
+    assert (x_plain == c64.to(BF16)).double().mean().item() > 0.999
+    assert_ulps(x_normed, norm64(x_plain, t["w"]), 1.0)
+
+
+# ----------------------------------------------------------------------------- CPU (interpreter) tests
+@pytest.mark.parametrize("d", [D, 4 * D])
+def test_stats_against_float64(d):
+    t = make_inputs(33, d, seed=d)
+    mixes = tk.stats_mixes(t["h"], build_parts(t["fn"]), t["scale"], t["base"], ITERS, HC_EPS, NORM_EPS)
+    check_stats_numerics(t, mixes, *stats(t))
+
+
+def test_collapse_norm_and_post_against_float64():
+    t = make_inputs(33, 2 * D, seed=3)
+    check_collapse_numerics(t, collapse_op(t, weight=None), collapse_op(t))
+    t["w"] = t["w"].to(BF16)  # a bf16 norm weight is multiplied in fp32 too
+    check_collapse_numerics(t, collapse_op(t, weight=None), collapse_op(t))
+    out = post_op(t)
+    assert_ulps(out, post64(t["y"], t["h"], t["post"], t["comb"]), 1.0)
+    if DEV == "cpu":  # the interpreter rounds each product and sum like eager torch (no FMA contraction)
+        assert_equal(out, ref.hc_post(t["y"], t["h"], t["post"], t["comb"]), "post vs reference")
+
+
+def with_cancellation(t):
+    """Streams 0 and 1 nearly cancel in the collapse, so its fp32 summation order shows in the bf16 bits."""
+    g = torch.Generator(device=t["h"].device).manual_seed(1)
+    h, p = t["h"].clone(), t["pre_prev"].clone()
+    h[:, 1] = (-h[:, 0].float() * (1 + torch.rand(h[:, 0].shape, generator=g, device=h.device) * 0.01)).to(BF16)
+    p[:, :2] = 1 + torch.rand(p.shape[0], 2, generator=g, device=p.device) * 1e-3
+    p[:, 2:] *= 1e-2
+    return dict(t, h=h, pre_prev=p)
+
+
+@pytest.mark.parametrize("weight", ["w", None])
+def test_pre_equals_collapse_and_stats_bitwise(weight):
+    t = with_cancellation(make_inputs(21, D, seed=5))
+    x, pre, post, comb = pre_op(t, weight)
+    assert_equal(x, collapse_op(t, weight), "x")
+    for name, a, b in zip(("pre", "post", "comb"), (pre, post, comb), stats(t)):
+        assert_equal(a, b, name)
+
+
+@pytest.mark.parametrize("weight", ["w", None])
+def test_boundary_equals_post_then_pre_bitwise(weight):
+    t = make_inputs(21, D, seed=6)
+    new_res, *rest = boundary_op(t, weight)
+    assert_equal(new_res, post_op(t), "new_res")
+    t2 = dict(t, h=new_res)
+    for name, a, b in zip(("x", "pre", "post", "comb"), rest, pre_op(t2, weight)):
+        assert_equal(a, b, name)
+
+
+def test_gpu_rounding_points_without_interpreter_rounding(monkeypatch):
+    """The GPU code path (INTERP=False: no explicit RNE; here the interpreter then truncates at every
+    bf16 conversion instead of rounding) must still reuse exactly the stored bf16 values: the boundary's
+    collapse and norm see the new residual as written, and x as written."""
+    monkeypatch.setattr(tk, "INTERPRET", False)
+    t = make_inputs(21, D, seed=12)
+    new_res, x, *_ = boundary_op(t)  # (the bf16 dots are meaningless in this mode: stats are not compared)
+    assert_equal(new_res, post_op(t), "new_res")
+    assert_equal(x, pre_op(dict(t, h=new_res))[0], "x")
+    assert_equal(x, collapse_op(dict(t, h=new_res)), "x vs collapse")
+    xp = collapse_op(dict(t, h=new_res), weight=None)
+    assert_equal(pre_op(dict(t, h=new_res), weight=None)[0], xp, "plain x")
+
+
+def _row(outs, i):
+    return [o[i] for o in outs]
+
+
+@pytest.mark.parametrize("which", ["default", "gpu default"])
+@pytest.mark.parametrize("op", ["stats", "pre", "boundary", "collapse", "post"])
+def test_batch_invariant_rows(op, which):
+    """Batch-invariant configs (this platform's default, and the GPU default whose 128-row blocks split
+    these 131 rows in two): a row's bits are the same alone (M = 1) and among N rows."""
+    n = 131
+    t = make_inputs(n, D, seed=7)
+    name = {"stats": "mhc_stats", "pre": "mhc_pre", "boundary": "mhc_boundary", "collapse": "mhc_collapse",
+            "post": "mhc_post"}[op]
+    cfg = {"config": tk.DEFAULTS[name]} if which == "gpu default" else {}
+    fns = {"stats": stats, "pre": pre_op, "boundary": boundary_op, "collapse": collapse_op, "post": post_op}
+
+    def run(tt):
+        return fns[op](tt, **cfg)
+
+    full = run(t)
+    full = full if isinstance(full, tuple) else (full,)
+    for i in (0, 77, 128, n - 1):
+        alone = run({k: (v[i : i + 1] if v.dim() and v.shape[0] == n else v) for k, v in t.items()})
+        alone = alone if isinstance(alone, tuple) else (alone,)
+        for a, b in zip(_row(full, i), _row(alone, 0)):
+            assert_equal(a, b, f"{op} row {i}")
+
+
+def test_configs_do_not_change_bits():
+    """Every candidate config computes the same per-row arithmetic (elementwise accumulation, fixed trees)."""
+    t = make_inputs(70, D, seed=8)
+    base_stats = stats(t)
+    for bm, warps in sorted({(c["BLOCK_M"], c["num_warps"]) for c in tk.CANDIDATES["mhc_stats"]}):
+        for a, b in zip(stats(t, config=dict(BLOCK_M=bm, num_warps=warps, num_stages=2)), base_stats):
+            assert_equal(a, b, f"stats BLOCK_M={bm} num_warps={warps}")
+    base_x = collapse_op(t)
+    for br in sorted({c["BLOCK_R"] for c in tk.CANDIDATES["mhc_collapse"]}):
+        assert_equal(collapse_op(t, config=dict(BLOCK_R=br, num_warps=4)), base_x, f"collapse BLOCK_R={br}")
+    base_p = post_op(t)
+    for cfg in tk.CANDIDATES["mhc_post"][:4]:
+        assert_equal(post_op(t, config=cfg), base_p, f"post {cfg}")
+
+
+def test_default_configs_keep_wgmma_rows():
+    for op in ("mhc_stats", "mhc_pre", "mhc_boundary"):
+        for cfg in [tk.DEFAULTS[op], *tk.CANDIDATES[op]]:
+            assert cfg["BLOCK_M"] >= 16 * cfg["num_warps"], (op, cfg)
+
+
+def test_empty_batch():
+    t = make_inputs(0, D)
+    pre, post, comb = stats(t)
+    assert pre.shape == (0, 4) and post.shape == (0, 4) and comb.shape == (0, 4, 4)
+    x, *_ = pre_op(t)
+    assert x.shape == (0, D)
+    new_res, x, *_ = boundary_op(t)
+    assert new_res.shape == (0, 4, D) and x.shape == (0, D)
+    assert collapse_op(t).shape == (0, D) and post_op(t).shape == (0, 4, D)
+
+
+def test_kernels_reject_what_they_cannot_run():
+    t = make_inputs(5, D)
+    with pytest.raises(ValueError, match="hc_mult"):
+        tk.mhc_collapse(t["h"][:, :2], t["pre_prev"][:, :2], None, EPS, batch_invariant=True)
+    with pytest.raises(ValueError, match="dtype"):
+        tk.mhc_collapse(t["h"].half(), t["pre_prev"], None, EPS, batch_invariant=True)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        tk.mhc_collapse(t["h"][..., :40], t["pre_prev"], None, EPS, batch_invariant=True)
+    with pytest.raises(ValueError, match="parts"):
+        tk.mhc_stats(t["h"], build_parts(t["fn"])[:2], t["scale"], t["base"], ITERS, HC_EPS, NORM_EPS,
+                     batch_invariant=True)
+
+
+def _op_args(t):
+    return (t["h"], t["fn"], t["scale"], t["base"], ITERS, HC_EPS, NORM_EPS)
+
+
+def test_providers_decline_cleanly_and_reference_takes_over():
+    t = make_inputs(6, D)
+    m = t["h"].shape[0]
+    cases = {
+        "hc_mult": (t["h"][:, :2].contiguous(), torch.randn(8, 2 * D, device=DEV), t["scale"],
+                    torch.randn(8, device=DEV)),
+        "dtype": (t["h"].half(), t["fn"], t["scale"], t["base"]),
+        "contiguous": (torch.randn(m, D, 4, device=DEV).to(BF16).transpose(1, 2), t["fn"], t["scale"], t["base"]),
+        "multiple of 16": (torch.randn(m, 4, 40, device=DEV).to(BF16), torch.randn(24, 160, device=DEV), t["scale"],
+                           t["base"]),
+    }
+    for why, (h, fn, scale, base) in cases.items():
+        p, reasons = registry.choose("mhc_stats", "triton,reference", True, h, fn, scale, base, ITERS, HC_EPS,
+                                     NORM_EPS)
+        assert p.name == "reference", why
+        assert why in reasons[0], reasons
+        out = torch.ops.dsv41.mhc_stats(h, fn, scale, base, ITERS, HC_EPS, NORM_EPS, "triton,reference",
+                                        registry.encode_mode(True))
+        for a, b in zip(out, ref.hc_mixes(h, fn, scale, base, ITERS, HC_EPS, NORM_EPS)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # CPU BLAS rounding varies with alignment
+
+
+def test_ops_check_their_inputs():
+    t = make_inputs(6, D)
+    mode = registry.encode_mode(True)
+    with pytest.raises(ValueError, match="fn must be"):
+        torch.ops.dsv41.mhc_stats(t["h"], t["fn"][:, :-1], t["scale"], t["base"], ITERS, HC_EPS, NORM_EPS,
+                                  "triton,reference", mode)
+    with pytest.raises(ValueError, match="pre must be"):
+        torch.ops.dsv41.mhc_collapse(t["h"], t["pre_prev"][:-1], None, EPS, "triton,reference", mode)
+    with pytest.raises(ValueError, match="float32"):
+        torch.ops.dsv41.mhc_stats(t["h"], t["fn"].double(), t["scale"], t["base"], ITERS, HC_EPS, NORM_EPS,
+                                  "triton,reference", mode)
+
+
+def test_ops_run_the_triton_provider():
+    t = make_inputs(9, D, seed=11)
+    mode = registry.encode_mode(True)
+    p, _ = registry.choose("mhc_boundary", "triton,reference", True, t["y"], t["h"], t["post"], t["comb"],
+                           t["pre_prev"], t["fn"], t["scale"], t["base"], t["w"], ITERS, HC_EPS, NORM_EPS, EPS)
+    assert p.name == "triton"
+    out = torch.ops.dsv41.mhc_boundary(t["y"], t["h"], t["post"], t["comb"], t["pre_prev"], t["fn"], t["scale"],
+                                       t["base"], t["w"], ITERS, HC_EPS, NORM_EPS, EPS, "triton,reference", mode)
+    for a, b in zip(out, boundary_op(t)):
+        assert_equal(a, b, "boundary via op")
+    out = torch.ops.dsv41.mhc_post(t["y"], t["h"], t["post"], t["comb"], "triton,reference", mode)
+    assert_equal(out, post_op(t), "post via op")
+
+
+# ----------------------------------------------------------------------------- lowering for sm_90 without a GPU
+_SM90_PROBE = r"""
+import json, re
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from dsv41_passes.lowering.triton import mhc as tk
+
+d = 5120
+fn = tk._proj_kernel
+ptr16 = ("h_ptr", "y_ptr", "new_ptr", "x_ptr", "parts_ptr")
+types = {n: ("*bf16" if n in ptr16 else "*fp32") for n in fn.arg_names if n.endswith("_ptr")}
+types.update(count_ptr="*i32", M="i32", stride_h="i32", stride_y="i32", stride_n="i32", stride_x="i32",
+             iters="i32", hc_eps="fp32", norm_eps="fp32", eps="fp32")
+out = {}
+for bm, warps in sorted({(c["BLOCK_M"], c["num_warps"]) for c in tk.CANDIDATES["mhc_pre"]}):
+    consts = dict(D=d, BK=tk.slice_geometry(d)[1], BM=bm, XB=tk._norm_block(d, bm), BOUNDARY=False,
+                  COLLAPSE=True, NORM=True, MIXES=False, INTERP=False)
+    sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in consts and (types[n].startswith("*") or n.startswith("stride"))}
+    src = ASTSource(fn=fn, signature=sig, attrs=attrs,
+                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    ptx = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=3)).asm["ptx"]
+    out[f"{bm}x{warps}"] = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.[a-z0-9.]+", ptx)))
+print(json.dumps(out))
+"""
+
+
+def test_triton_sm90_lowering_uses_one_wgmma_shape_for_all_configs():
+    """The batch-invariance argument for the tensor-core dots: every candidate (BLOCK_M, num_warps)
+    lowers the projection to the same wgmma instruction. Compiled for sm_90 with Triton's bundled
+    ptxas in a child process (this one has the interpreter on, which replaces @triton.jit)."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run([sys.executable, "-c", _SM90_PROBE], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shapes = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(shapes) >= 3, shapes
+    for cfg, found in shapes.items():
+        assert found == ["wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16"], (cfg, found)
+
+
+def test_tilelang_kernels_compile_for_sm90a(tmp_path, monkeypatch):
+    pytest.importorskip("tilelang")
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not installed: TileLang cannot build the sm_90a cubin")
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+    from dsv41_passes.lowering.tilelang import mhc as tlk
+
+    cfg = tlk.DEFAULTS["mhc_stats"]
+    partial = tlk.compile_kernel(tlk.build_partial(5120, cfg["BLOCK_M"], cfg["threads"], cfg["num_stages"]))
+    src = partial.get_kernel_source()
+    assert "wgmma" in src and "tma_load" in src
+    finish = tlk.compile_kernel(tlk.build_finish(5120, cfg["FINISH_ROWS"], ITERS, HC_EPS, NORM_EPS))
+    assert "finish" in finish.get_kernel_source()
+
+
+# ----------------------------------------------------------------------------- H200 (gpu) tests
+FLASH_D = 5120
+GPU_MS = [1, 7, 4096, 4097, 16384, 65536]
+
+
+def _chunked(fn, n, step=2048):
+    return torch.cat([fn(slice(i, min(i + step, n))) for i in range(0, n, step)]) if n else fn(slice(0, 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", GPU_MS)
+def test_gpu_flash_numerics(m):
+    t = make_inputs(m, FLASH_D, seed=m, device="cuda")
+    parts = build_parts(t["fn"])
+    mixes = tk.stats_mixes(t["h"], parts, t["scale"], t["base"], ITERS, HC_EPS, NORM_EPS)
+    m64 = _chunked(lambda s: mixes64(t["h"][s], t["fn"]), m)
+    assert normwise(mixes, m64) <= 1e-6
+    pre, post, comb = stats(t, bi=False)
+    for out, r in zip((pre, post, comb), split64(m64, t["scale"], t["base"])):
+        torch.testing.assert_close(out.double(), r, rtol=2e-5, atol=2e-6)
+    x_plain, x_normed = collapse_op(t, weight=None, bi=False), collapse_op(t, bi=False)
+    c64 = _chunked(lambda s: collapse64(t["h"][s], t["pre_prev"][s]), m)
+    assert_ulps(x_plain, c64)
+    assert_ulps(x_normed, _chunked(lambda s: norm64(x_plain[s], t["w"]), m))
+    out = post_op(t, bi=False)
+    assert_ulps(out, _chunked(lambda s: post64(t["y"][s], t["h"][s], t["post"][s], t["comb"][s]), m))
+    # one read of h: mhc_pre is (collapse, stats) bitwise; the boundary is post then pre bitwise
+    for a, b in zip(pre_op(t, bi=False), (x_normed, pre, post, comb)):
+        assert_equal(a, b, "pre")
+    bnd = boundary_op(t, bi=False)
+    assert_equal(bnd[0], out, "boundary new_res")
+    for a, b in zip(bnd[1:], pre_op(dict(t, h=out), bi=False)):
+        assert_equal(a, b, "boundary pre")
+
+
+@pytest.mark.gpu
+def test_gpu_flash_batch_invariance():
+    n = 65536
+    t = make_inputs(n, FLASH_D, seed=1, device="cuda")
+    runs = {"stats": stats, "pre": pre_op, "boundary": boundary_op, "collapse": collapse_op, "post": post_op}
+    for op, run in runs.items():
+        full = run(t)
+        full = full if isinstance(full, tuple) else (full,)
+        for i in (0, 1, 4095, 4096, 33333, n - 1):
+            for mm in (1, 7, 4097):
+                sub = {k: (v[i : i + mm] if v.dim() and v.shape[0] == n else v) for k, v in t.items()}
+                part = run(sub)
+                part = part if isinstance(part, tuple) else (part,)
+                for a, b in zip(full, part):
+                    assert_equal(a[i], b[0], f"{op} row {i} (M={mm})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4097, 65536])
+def test_gpu_tilelang_stats_numerics(m):
+    if registry.tilelang_available(torch.empty(0, device="cuda")):
+        pytest.skip(registry.tilelang_available(torch.empty(0, device="cuda")))
+    from dsv41_passes.lowering.tilelang import mhc as tlk
+
+    t = make_inputs(m, FLASH_D, seed=m, device="cuda")
+    pre, post, comb = tlk.mhc_stats(t["h"], build_parts(t["fn"]), t["scale"], t["base"], ITERS, HC_EPS, NORM_EPS,
+                                    batch_invariant=True)
+    m64 = _chunked(lambda s: mixes64(t["h"][s], t["fn"]), m)
+    for out, r in zip((pre, post, comb), split64(m64, t["scale"], t["base"])):
+        torch.testing.assert_close(out.double(), r, rtol=2e-5, atol=2e-6)
+
+
+# ----------------------------------------------------------------------------- in a compiled model
+@pytest.mark.slow
+def test_tiny_model_runs_the_triton_mhc_kernels():
+    """The compiled tiny model with Triton mHC providers: logits near eager (with Inductor's precision
+    emulation every other op rounds like eager), and the derived weights are built once, not per call."""
+    import dsv41_passes as dp
+    from dsv41_passes.lowering import mhc_weights
+    from helpers import EMULATE, eager, packed, tiny_model
+
+    model = tiny_model()
+    args = packed([7, 5])
+    ref_logits = eager(model, *args)
+    torch._dynamo.reset()
+    fast = dp.compile(model, dp.PassConfig(providers=("triton", "reference"), rope_store=False, wo_a=False),
+                      options=EMULATE)
+    model.reset_cache()
+    with torch.inference_mode():
+        logits = fast(*args)
+    sites = dp.last_report().sites
+    assert any(k.startswith("mhc") for k in sites), sites
+    torch.testing.assert_close(logits.float(), ref_logits.float(), rtol=0, atol=1e-3 * ref_logits.abs().max().item())
+    builds = mhc_weights.cache_info()["builds"]
+    model.reset_cache()
+    with torch.inference_mode():
+        again = fast(*args)
+    assert torch.equal(again, logits)
+    assert mhc_weights.cache_info()["builds"] == builds
