@@ -1,0 +1,276 @@
+"""Triton kernels of the RoPE/store family.
+
+``q_rope_store``: one program per (token block, head group); each (token, head) row is
+read once from ``q`` and written once into the padded buffer, the last ``rd`` dims rotated.
+``kv_rope_quant``: one program per block of tokens (default one token): RMSNorm, RoPE on
+the tail, FP8-e4m3 round trip with UE8M0 per-block scales; stores the result and, for
+``kv_rope_quant_store``, also the cache row picked by the token's slot.
+
+bf16 data moves as int32 words holding an (even, odd) pair, which is exactly a RoPE pair:
+unpacking to fp32 is a shift, packing is an integer round-to-nearest-even, and words
+outside the rotated tail are copied bit for bit. Numerics follow the reference rounding
+points exactly: products and sums are rounded one by one (``enable_fp_fusion=False``: no
+FMA contraction), intermediate bf16 roundings are explicit, 1/sqrt and divisions are
+IEEE-rounded, and the FP8 scale exponent and the e4m3 rounding are integer operations on
+the fp32 bits. Interpreted (CPU) and GPU runs therefore give the same bits; the only
+operation whose order can differ from torch's is the RMSNorm sum of squares.
+
+M is a runtime argument (``do_not_specialize``), every offset that involves the token
+index is int64 (a padded Q buffer of 65536 x 64 x 512 bf16 is 4 GiB), and per-row
+arithmetic never depends on M or on the launch grid.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...tuning import tactic
+
+# Launch configs worth timing per op (the tuner's search space). Defaults are M-independent.
+Q_DEFAULT = dict(BLOCK_T=1, BLOCK_H=4, num_warps=4)
+KV_DEFAULT = dict(BLOCK_T=1, num_warps=2)
+CANDIDATES: dict[str, list[dict]] = {
+    "q_rope_store": [
+        dict(BLOCK_T=t, BLOCK_H=h, num_warps=w)
+        for t in (1, 2, 4)
+        for h in (1, 2, 4, 8)
+        for w in (2, 4, 8)
+        if t * h <= 16
+    ],
+    "kv_rope_quant_store": [dict(BLOCK_T=t, num_warps=w) for t in (1, 2, 4, 8) for w in (1, 2, 4, 8)],
+    "kv_rope_quant": [dict(BLOCK_T=t, num_warps=w) for t in (1, 2, 4, 8) for w in (1, 2, 4, 8)],
+}
+
+
+@triton.jit
+def _unpack_bf16x2(w):
+    """uint32 words holding bf16 pairs (little endian) -> (even, odd) elements as fp32, exactly."""
+    return (w << 16).to(tl.float32, bitcast=True), (w & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bf16_bits(x):
+    """fp32 -> uint32 whose high half is the round-to-nearest-even bf16 of ``x`` (low half zero)."""
+    b = x.to(tl.uint32, bitcast=True)
+    return (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+
+
+@triton.jit
+def _round_bf16(x):
+    """fp32 -> fp32 holding the round-to-nearest-even bf16 value (for values reused after rounding)."""
+    return _bf16_bits(x).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pack_bf16x2(y0, y1):
+    """(even, odd) fp32 -> uint32 words of two round-to-nearest-even bf16."""
+    return (_bf16_bits(y0) >> 16) | _bf16_bits(y1)
+
+
+@triton.jit
+def _rotate(x0, x1, c, s, rot):
+    """Interleaved pair rotation where ``rot`` holds, identity elsewhere; products rounded one by one."""
+    y0 = x0 * c - x1 * s
+    y1 = x0 * s + x1 * c
+    return tl.where(rot, y0, x0), tl.where(rot, y1, x1)
+
+
+@triton.jit
+def _ue8m0_exponent(amax):
+    """``ceil(log2(max(amax, 1e-4) / 448))`` computed exactly from the fp32 bits of ``amax``.
+
+    With ``a = 2^e * (1 + f)`` and ``448 = 1.75 * 2^8``: ``448 * 2^k >= a`` first holds at
+    ``k = e - 8`` when ``f <= 0.75`` and at ``k = e - 7`` otherwise. (For bf16-valued amax this
+    is also what ``torch.log2`` + ``ceil`` give: ``a / 448`` is then a power of two or at least
+    0.4% away from one.)
+    """
+    a = tl.maximum(amax, 1e-4)
+    u = a.to(tl.int32, bitcast=True)
+    e = ((u >> 23) & 0xFF) - 127
+    return e - 8 + ((u & 0x7FFFFF) > 0x600000).to(tl.int32)
+
+
+@triton.jit
+def _pow2(k):
+    """2^k as fp32 for an int32 k in the normal range."""
+    return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_rne(v):
+    """Round fp32 ``v`` (|v| <= 448) to the nearest e4m3fn value, ties to even, on the bits."""
+    u = v.to(tl.uint32, bitcast=True)
+    sign = u & 0x80000000
+    mag = u & 0x7FFFFFFF
+    ef = mag >> 23
+    # normal e4m3 (|v| >= 2^-6): keep 3 mantissa bits (a carry moves into the exponent)
+    normal = (mag + 0x7FFFF + ((mag >> 20) & 1)) & 0xFFF00000
+    # subnormal e4m3 (|v| < 2^-6): a multiple n of 2^-9, n = rne(|v| * 2^9)
+    mant = (mag & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(141 - ef.to(tl.int32), 31).to(tl.uint32)
+    n = (mant + ((1 << (shift - 1)) - 1) + ((mant >> shift) & 1)) >> shift
+    n = tl.where(ef == 0, 0, n)
+    sub = (n.to(tl.float32) * 0.001953125).to(tl.uint32, bitcast=True)
+    mag_q = tl.where(ef >= 121, normal, sub)
+    return (sign | mag_q).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_qdq_pairs(z0, z1):
+    """FP8-e4m3 round trip of a block split into its even ``z0`` and odd ``z1`` elements.
+
+    ``z0``, ``z1``: ``[A, NB, BLOCK/2]``; one UE8M0 scale per ``[a, nb]`` block (both halves).
+    """
+    amax = tl.maximum(tl.max(tl.abs(z0), axis=2), tl.max(tl.abs(z1), axis=2))
+    k = _ue8m0_exponent(amax)
+    inv_scale = tl.expand_dims(_pow2(-k), 2)
+    scale = tl.expand_dims(_pow2(k), 2)
+    q0 = _e4m3_rne(tl.minimum(tl.maximum(z0 * inv_scale, -448.0), 448.0)) * scale
+    q1 = _e4m3_rne(tl.minimum(tl.maximum(z1 * inv_scale, -448.0), 448.0)) * scale
+    return q0, q1
+
+
+def as_words(t: torch.Tensor) -> torch.Tensor:
+    """A bf16 tensor viewed as int32 words of two elements (the providers check it can be)."""
+    return t.view(torch.int32)
+
+
+# ---------------------------------------------------------------------------
+# Q: RoPE on the tail, store into the head-padded buffer
+# ---------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["M"])
+def _q_rope_store_kernel(
+    q_ptr, buf_ptr, cos_ptr, sin_ptr, M, H,
+    stride_qm, stride_qh, stride_bm, stride_bh, stride_cm, stride_cp, stride_sm, stride_sp,
+    W: tl.constexpr, PAIR0: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    # rows = (token, head) pairs of this program; columns = one head as W int32 words (bf16 pairs);
+    # q/buf pointers and strides are in words
+    r = tl.arange(0, BLOCK_T * BLOCK_H)
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + r // BLOCK_H
+    h = tl.program_id(1) * BLOCK_H + r % BLOCK_H
+    row_ok = (t < M) & (h < H)
+    col = tl.arange(0, BLOCK_W)
+    mask = row_ok[:, None] & (col < W)[None, :]
+    w = tl.load(q_ptr + t[:, None] * stride_qm + h[:, None] * stride_qh + col[None, :], mask=mask, other=0)
+    w = w.to(tl.uint32, bitcast=True)
+    p = col - PAIR0  # index into the rope tables
+    rot = row_ok[:, None] & ((p >= 0) & (p < W - PAIR0))[None, :]
+    c = tl.load(cos_ptr + t[:, None] * stride_cm + p[None, :] * stride_cp, mask=rot, other=0.0)
+    s = tl.load(sin_ptr + t[:, None] * stride_sm + p[None, :] * stride_sp, mask=rot, other=0.0)
+    x0, x1 = _unpack_bf16x2(w)
+    y0, y1 = _rotate(x0, x1, c, s, rot)
+    out = tl.where(rot, _pack_bf16x2(y0, y1), w)  # un-rotated words are copied bit for bit
+    tl.store(buf_ptr + t[:, None] * stride_bm + h[:, None] * stride_bh + col[None, :],
+             out.to(tl.int32, bitcast=True), mask=mask)
+
+
+def q_shape_key(q: torch.Tensor, cos: torch.Tensor) -> dict:
+    return dict(h=q.shape[1], d=q.shape[2], rd=2 * cos.shape[1])
+
+
+def kv_shape_key(kv: torch.Tensor, cos: torch.Tensor, block: int) -> dict:
+    return dict(d=kv.shape[1], rd=2 * cos.shape[1], block=block)
+
+
+def q_rope_store(
+    q_buf: torch.Tensor, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, batch_invariant: bool,
+    config: dict | None = None,
+):
+    """Launch with the tactic for this M (or an explicit ``config``, e.g. from a tuner)."""
+    m, h, d = q.shape
+    if m == 0:
+        return
+    rd = 2 * cos.shape[1]
+    cfg = config or tactic("q_rope_store", m, q_shape_key(q, cos), default=Q_DEFAULT, batch_invariant=batch_invariant)
+    block_h = min(cfg["BLOCK_H"], triton.next_power_of_2(h))
+    block_t = cfg["BLOCK_T"]
+    qw, bw = as_words(q), as_words(q_buf)
+    grid = (triton.cdiv(m, block_t), triton.cdiv(h, block_h))
+    _q_rope_store_kernel[grid](
+        qw, bw, cos, sin, m, h,
+        qw.stride(0), qw.stride(1), bw.stride(0), bw.stride(1),
+        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+        W=d // 2, PAIR0=(d - rd) // 2, BLOCK_W=triton.next_power_of_2(d // 2),
+        BLOCK_T=block_t, BLOCK_H=block_h, num_warps=cfg["num_warps"], enable_fp_fusion=False,
+    )
+
+
+# ---------------------------------------------------------------------------
+# KV: RMSNorm + RoPE on the tail + FP8 round trip + cache store
+# ---------------------------------------------------------------------------
+@triton.jit
+def _store_rows(cache_ptr, slot_ptr, t, tok_ok, col, col_ok, out, S, stride_slot, stride_cache):
+    slot = tl.load(slot_ptr + t * stride_slot, mask=tok_ok, other=-1)
+    slot = tl.where(slot < 0, slot + S, slot)  # index_put semantics: negative counts from the end
+    keep = tok_ok & (slot >= 0) & (slot < S)  # out-of-range slots are skipped, never written
+    tl.store(cache_ptr + slot[:, None, None] * stride_cache + col[None, :, :], out,
+             mask=keep[:, None, None] & col_ok[None, :, :])
+
+
+@triton.jit(do_not_specialize=["M", "S"])
+def _kv_rope_quant_kernel(
+    kv_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, cache_ptr, M, S, eps,
+    stride_km, stride_om, stride_cm, stride_cp, stride_sm, stride_sp, stride_slot, stride_cache,
+    D: tl.constexpr, PAIR0: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
+    BLOCK_T: tl.constexpr, STORE: tl.constexpr,
+):
+    # tile [BLOCK_T tokens, NB quant blocks, BLOCK/2 words]; kv/out/cache pointers and strides in words
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = t < M
+    col = tl.arange(0, NB)[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]  # word = pair index
+    col_ok = col < D // 2
+    mask = tok_ok[:, None, None] & col_ok[None, :, :]
+    w = tl.load(kv_ptr + t[:, None, None] * stride_km + col[None, :, :], mask=mask, other=0)
+    x0, x1 = _unpack_bf16x2(w.to(tl.uint32, bitcast=True))
+    g0 = tl.load(w_ptr + 2 * col, mask=col_ok, other=0.0)[None, :, :]
+    g1 = tl.load(w_ptr + 2 * col + 1, mask=col_ok, other=0.0)[None, :, :]
+    # RMSNorm: fp32 statistics, (x * rstd) then * weight, one bf16 rounding
+    ms = tl.sum(tl.sum(x0 * x0 + x1 * x1, axis=2), axis=1) * (1.0 / D)
+    rstd = tl.math.div_rn(tl.full((BLOCK_T,), 1.0, tl.float32), tl.sqrt_rn(ms + eps))  # torch.rsqrt on CPU
+    rstd = tl.expand_dims(tl.expand_dims(rstd, 1), 2)
+    y0 = _round_bf16(g0 * (x0 * rstd))
+    y1 = _round_bf16(g1 * (x1 * rstd))
+    # RoPE on the last rd dims (pairs never straddle a quant block: BLOCK is even), bf16 rounding
+    p = col - PAIR0
+    rot = tok_ok[:, None, None] & ((p >= 0) & (p < D // 2 - PAIR0))[None, :, :]
+    c = tl.load(cos_ptr + t[:, None, None] * stride_cm + p[None, :, :] * stride_cp, mask=rot, other=0.0)
+    s = tl.load(sin_ptr + t[:, None, None] * stride_sm + p[None, :, :] * stride_sp, mask=rot, other=0.0)
+    y0, y1 = _rotate(y0, y1, c, s, rot)
+    # FP8 round trip; padded columns are zeros and never raise a block's amax. The results have
+    # at most 4 significant bits, so packing them into bf16 is exact.
+    q0, q1 = _fp8_qdq_pairs(_round_bf16(y0), _round_bf16(y1))
+    out = _pack_bf16x2(q0, q1).to(tl.int32, bitcast=True)
+    tl.store(out_ptr + t[:, None, None] * stride_om + col[None, :, :], out, mask=mask)
+    if STORE:
+        _store_rows(cache_ptr, slot_ptr, t, tok_ok, col, col_ok, out, S, stride_slot, stride_cache)
+
+
+def kv_rope_quant(
+    kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, block: int,
+    cache: torch.Tensor | None = None, slots: torch.Tensor | None = None, *, batch_invariant: bool,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """The KV path; with ``cache`` and ``slots`` also ``cache[slots[i]] = out[i]`` (same kernel)."""
+    m, d = kv.shape
+    out = torch.empty((m, d), dtype=kv.dtype, device=kv.device)
+    if m == 0:
+        return out
+    rd = 2 * cos.shape[1]
+    op = "kv_rope_quant_store" if cache is not None else "kv_rope_quant"
+    cfg = config or tactic(op, m, kv_shape_key(kv, cos, block), default=KV_DEFAULT, batch_invariant=batch_invariant)
+    block_t = cfg["BLOCK_T"]
+    store = cache is not None
+    if not store:  # placeholders the STORE=False kernel never touches
+        cache, slots = out, out.new_empty((0,), dtype=torch.int64)
+    kw, ow, cw = as_words(kv), as_words(out), as_words(cache)
+    _kv_rope_quant_kernel[(triton.cdiv(m, block_t),)](
+        kw, weight, cos, sin, slots, ow, cw, m, cache.shape[0] if store else 0, float(eps),
+        kw.stride(0), ow.stride(0), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+        slots.stride(0), cw.stride(0),
+        D=d, PAIR0=(d - rd) // 2, BLOCK=block, NB=triton.next_power_of_2(d // block),
+        BLOCK_T=block_t, STORE=store, num_warps=cfg["num_warps"], enable_fp_fusion=False,
+    )
+    return out
