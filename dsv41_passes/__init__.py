@@ -19,7 +19,7 @@ from .backend import compile, dsv41_backend, inductor_options, make_backend, reg
 from .config import PassConfig  # noqa: E402
 from .guards import batch_invariant, is_batch_invariant  # noqa: E402
 from .report import RewriteReport, SiteRow, last_report, reports  # noqa: E402
-from .tuning import load_tactics, save_tactics  # noqa: E402
+from .tuning import load_tactics, save_tactics, warmup  # noqa: E402
 
 register()
 
@@ -37,5 +37,6 @@ __all__ = [
     "make_backend",
     "reports",
     "save_tactics",
+    "warmup",
     "__version__",
 ]

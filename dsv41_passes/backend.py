@@ -7,13 +7,12 @@ the determinism switches travel as per-compile config patches.
 from __future__ import annotations
 
 import functools
-import hashlib
+from contextlib import nullcontext
 import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from torch._dynamo.utils import counters
 
 from .config import PassConfig
 from .pass_manager import PostGradPassManager
@@ -46,33 +45,34 @@ def _report_dir() -> Path:
     return d
 
 
-def _canonical_graph(gm: torch.fx.GraphModule) -> str:
-    """The graph's structure with node names replaced by positions (names differ between equal graphs)."""
-    idx = {n: i for i, n in enumerate(gm.graph.nodes)}
+def _inner_compile_with_reports(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Any:
+    """Inductor's inner compile, keeping each graph's rewrite report beside its FX-graph-cache entry.
 
-    def ref(a: Any) -> Any:
-        return f"%{idx[a]}"
+    On a cache miss the pass manager ran and published a report: it is saved under the
+    entry's key. On a hit nothing ran: the saved report is loaded and published.
+    """
+    from torch._inductor.compile_fx import compile_fx_inner
 
-    lines = []
-    for n in gm.graph.nodes:
-        target = "" if n.op == "placeholder" else (n.target if isinstance(n.target, str) else getattr(n.target, "__qualname__", str(n.target)))
-        args = torch.fx.node.map_arg(n.args, ref)
-        kwargs = torch.fx.node.map_arg(n.kwargs, ref)
-        lines.append(f"{n.op}|{target}|{args!r}|{sorted(kwargs.items())!r}")
-    return "\n".join(lines)
-
-
-def _graph_key(gm: torch.fx.GraphModule, example_inputs: list[Any], manager: PostGradPassManager, extra: dict) -> str:
-    h = hashlib.sha256()
-    h.update(manager.uuid().encode())
-    h.update(_canonical_graph(gm).encode())
-    for x in example_inputs:
-        if isinstance(x, torch.Tensor):
-            h.update(f"{tuple(x.shape)}|{x.dtype}|{x.device.type}|{tuple(x.stride())}".encode())
+    last_before = reports()[-1] if reports() else None
+    compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+    key = getattr(compiled, "_fx_graph_cache_key", None)
+    ran = bool(reports()) and reports()[-1] is not last_before
+    if key is None:
+        return compiled
+    path = _report_dir() / f"{key}.json"
+    if ran:
+        try:
+            reports()[-1].save(path)
+        except OSError:
+            pass
+    else:
+        if path.exists():
+            rep = RewriteReport.load(path)
         else:
-            h.update(repr(x).encode())
-    h.update(repr(sorted((k, repr(v)) for k, v in extra.items())).encode())
-    return h.hexdigest()
+            rep = RewriteReport(warnings=["graph restored from the FX graph cache; its rewrite report was not kept"])
+        rep.from_cache = True
+        publish(rep)
+    return compiled
 
 
 def make_backend(config: PassConfig | None = None, options: dict[str, Any] | None = None) -> Callable[..., Any]:
@@ -95,27 +95,13 @@ def make_backend(config: PassConfig | None = None, options: dict[str, Any] | Non
                     stacklevel=2,
                 )
         patches = inductor_options(config) | user_opts
-        manager = patches["post_grad_custom_post_pass"]
-        key = _graph_key(gm, example_inputs, manager, user_opts)
-        before = len(reports())
-        last_before = reports()[-1] if before else None
-        hits = counters["inductor"]["fxgraph_cache_hit"]
-        compiled = compile_fx(gm, example_inputs, config_patches=patches)
-        ran = reports() and reports()[-1] is not last_before
-        path = _report_dir() / f"{key}.json"
-        if ran:
-            try:
-                reports()[-1].save(path)
-            except OSError:
-                pass
-        elif counters["inductor"]["fxgraph_cache_hit"] > hits:
-            if path.exists():
-                rep = RewriteReport.load(path)
-            else:  # another graph compiled to the same cached code; its report was kept under its own key
-                rep = RewriteReport(warnings=["graph restored from the FX graph cache; its rewrite report was not kept"])
-            rep.from_cache = True
-            publish(rep)
-        return compiled
+        # AOTAutograd's own cache would skip the inner compile on a hit, and with it the report;
+        # the FX graph cache below still serves the compiled code.
+        import torch._functorch.config as fcfg
+
+        ctx = fcfg.patch(enable_autograd_cache=False) if hasattr(fcfg, "enable_autograd_cache") else nullcontext()
+        with ctx:
+            return compile_fx(gm, example_inputs, inner_compile=_inner_compile_with_reports, config_patches=patches)
 
     return dsv41_backend
 

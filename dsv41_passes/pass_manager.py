@@ -8,9 +8,12 @@ Fixed order, each stage timed and reported:
 4. ``wo_a``       inverse RoPE + grouped low-rank output projection;
 5. ``fuse``       mHC ops sharing the residual merge: stats + collapse -> ``mhc_pre`` (one
                   read), post -> next pre -> ``mhc_boundary`` (new residual written once);
-6. ``batch_invariant`` (batch-invariant mode only) every remaining matmul pinned to a kernel
+6. ``order_stores`` a fused KV store whose cache is read again afterwards (old rows) is split
+                  into the fused compute + an ``index_put`` placed after the last read, so
+                  Inductor writes the cache in place instead of copying it;
+7. ``batch_invariant`` (batch-invariant mode only) every remaining matmul pinned to a kernel
                   whose per-row arithmetic depends only on K;
-7. ``cleanup``    stable topological sort, dead-code elimination, lint.
+8. ``cleanup``    stable topological sort, dead-code elimination, lint.
 
 ``uuid()`` hashes the PassConfig (batch-invariant mode resolved), the source of
 every pattern, lowering and kernel module, and the torch/triton/tilelang versions,
@@ -116,6 +119,10 @@ class PostGradPassManager(CustomGraphPass):
                 from .patterns import mhc_fuse
 
                 stage("fuse", lambda: mhc_fuse.run(graph, ctx))
+            if cfg.rope_store:
+                from .patterns import rope_store as rs
+
+                stage("order_stores", lambda: rs.order_stores(graph))
             if self.batch_invariant:
                 from .patterns import batch_invariant as bi
 

@@ -19,7 +19,8 @@ import json
 import os
 import threading
 import warnings
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -152,3 +153,112 @@ def load_tactics(path: str | os.PathLike[str]) -> int:
                 _TABLE[k] = dict(v)
                 added += 1
     return added
+
+
+# ---------------------------------------------------------------------------
+# warm-up and tuning
+# ---------------------------------------------------------------------------
+@dataclass
+class Tunable:
+    """One kernel of one op at one model shape, as the warm-up sees it.
+
+    ``make_inputs(m, device)`` builds the op's inputs for ``m`` tokens;
+    ``run(inputs, config)`` launches the kernel with an explicit config.
+    """
+
+    op: str
+    shape_key: dict[str, Any]
+    make_inputs: Callable[[int, Any], tuple]
+    run: Callable[[tuple, dict[str, Any]], Any]
+    candidates: list[dict[str, Any]]
+    default: dict[str, Any]
+
+
+def _time_ms(fn: Callable[[], Any], device: Any) -> float:
+    if torch.device(device).type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=5, rep=20, return_mode="median"))
+    import time
+
+    fn()
+    t = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - t)
+
+
+def warmup(
+    config_or_model: Any,
+    max_tokens: int = MAX_TOKENS,
+    pass_config: Any = None,
+    device: Any = None,
+    progress: bool = True,
+) -> dict[str, dict[int, dict[str, Any]]]:
+    """Compile (and, outside batch-invariant mode, tune) every fused op for every M bucket up to ``max_tokens``.
+
+    Takes a ``DeepseekV41Config`` or a model holding one (``.config``); builds
+    each op's inputs at the model's per-rank shapes, so nothing of the model runs
+    (no KV cache, no LM head). Returns ``{op: {bucket: config}}``.
+    """
+    from tqdm import tqdm
+
+    from .config import PassConfig
+    from .lowering import tunables_for
+
+    cfg = getattr(config_or_model, "config", config_or_model)
+    pc = pass_config or PassConfig()
+    bi = pc.resolved_batch_invariant()
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tunables = tunables_for(cfg, dev)
+    todo = [(b, t) for b in buckets(max_tokens) for t in tunables]
+    chosen: dict[str, dict[int, dict[str, Any]]] = {}
+    for b, t in tqdm(todo, disable=not progress, desc="dsv41 warm-up", unit="kernel"):
+        inputs = t.make_inputs(b, dev)
+        if bi or not enabled() or len(t.candidates) <= 1:
+            best = t.default
+        else:
+            timed = []
+            for cand in t.candidates:
+                try:
+                    timed.append((_time_ms(lambda c=cand: t.run(inputs, c), dev), cand))
+                except Exception:  # a candidate that does not fit this shape
+                    continue
+            best = min(timed, key=lambda x: x[0])[1] if timed else t.default
+            record(t.op, b, t.shape_key, best)
+        t.run(inputs, best)  # compile the binary this bucket will use
+        chosen.setdefault(t.op, {})[b] = dict(best)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return chosen
+
+
+def kernel_cache_sizes() -> dict[str, int]:
+    """Compiled binaries held per kernel module (Triton JIT caches, TileLang per-config dicts).
+
+    A dynamic-M kernel adds no binary for a new M: after warm-up these counts stay put.
+    """
+    import importlib
+    import pkgutil
+    import sys
+
+    out: dict[str, int] = {}
+    for pkg in ("dsv41_passes.lowering.triton", "dsv41_passes.lowering.tilelang"):
+        mod = importlib.import_module(pkg)
+        for info in pkgutil.iter_modules(mod.__path__):
+            name = f"{pkg}.{info.name}"
+            m = sys.modules.get(name)
+            if m is None:
+                continue  # never imported: nothing compiled
+            total = 0
+            for attr in vars(m).values():
+                caches = getattr(attr, "device_caches", None)  # triton.JITFunction
+                if isinstance(caches, dict):
+                    for v in caches.values():
+                        first = v[0] if isinstance(v, tuple) else v
+                        total += len(first) if hasattr(first, "__len__") else 0
+            for attr_name in ("_KERNELS", "_CACHE"):
+                d = getattr(m, attr_name, None)
+                if isinstance(d, dict):
+                    total += len(d)
+            out[name.rsplit(".", 2)[-2] + "/" + info.name] = total
+    return out

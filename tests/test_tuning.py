@@ -100,3 +100,26 @@ def test_disabled_cache(monkeypatch, tmp_path):
         assert dp.load_tactics(path) == 0
         assert dp.save_tactics(tmp_path / "x.json") == 0
     assert len(w) == 2 and not (tmp_path / "x.json").exists()
+
+
+def test_warmup_compiles_and_tunes_every_op_without_running_the_model(monkeypatch):
+    import dsv41_passes.lowering as lowering
+    from dsv41_passes.reference import DeepseekV41Config
+
+    real = lowering.tunables_for
+
+    def two_candidates(config, device=None):  # the interpreter makes every timed candidate cost
+        ts = real(config, device)
+        for t in ts:
+            t.candidates = t.candidates[:2]
+        return ts
+
+    monkeypatch.setattr(lowering, "tunables_for", two_candidates)
+    cfg = DeepseekV41Config.tiny()
+    with dp.batch_invariant(True):
+        chosen = dp.warmup(cfg, max_tokens=2, device="cpu", progress=False)
+    ops = {"mhc_post", "mhc_stats", "mhc_collapse", "mhc_pre", "mhc_boundary", "q_rope_store", "kv_rope_quant_store", "wo_a"}
+    assert ops <= set(chosen) and all(list(v) == [1, 2] for v in chosen.values())
+    assert tuning.entries() == {}  # batch-invariant mode: defaults only, nothing tuned
+    chosen = dp.warmup(cfg, max_tokens=2, device="cpu", progress=False)
+    assert len(tuning.entries()) == 2 * len(chosen)  # one tuned entry per op and bucket

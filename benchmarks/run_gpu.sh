@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Everything the H200 run checks and times, in one call:
+#   source .devsite/setup.sh && bash benchmarks/run_gpu.sh [stage ...]
+# Stages (default: all): env tests mhc rope_store wo_a guards. Each stage runs in its own
+# process with a time limit and the run goes on when one fails; logs and JSON land in $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/dsv41-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 DSV41_TACTICS_FILE=${DSV41_TACTICS_FILE:-$OUT/tactics.json}
+stages=${*:-env tests mhc rope_store wo_a guards}
+run() {  # name, limit seconds, command...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc $((SECONDS - t0))s"
+  tail -n 40 "$OUT/$name.log"
+}
+for s in $stages; do
+  case $s in
+    env) run env 60 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name()); import tilelang; print('tilelang', tilelang.__version__)" ;;
+    tests) run gpu_tests 420 python3 -m pytest -q -x -m gpu tests -p no:cacheprovider ;;
+    mhc) run bench_mhc 420 python3 benchmarks/bench_mhc.py ;;
+    rope_store) run bench_rope_store 300 python3 benchmarks/bench_rope_store.py ;;
+    wo_a) run bench_wo_a 300 python3 benchmarks/bench_wo_a.py ;;
+    guards) run guards 300 python3 benchmarks/check_guards.py ;;
+    *) echo "unknown stage $s" ;;
+  esac
+done
