@@ -20,8 +20,8 @@ run() {  # name, limit seconds, command...
 for s in $stages; do
   case $s in
     env) run env 60 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name()); import tilelang; print('tilelang', tilelang.__version__)" ;;
-    tests) run gpu_tests 420 python3 -m pytest -q -x -m gpu tests -p no:cacheprovider ;;
-    mhc) run bench_mhc 420 python3 benchmarks/bench_mhc.py ;;
+    tests) run gpu_tests ${TESTS_LIMIT:-300} python3 -m pytest -q -m gpu tests -n ${JOBS:-6} -p no:cacheprovider -rfE ;;
+    mhc) run bench_mhc ${MHC_LIMIT:-240} python3 benchmarks/bench_mhc.py ;;
     rope_store) run bench_rope_store 300 python3 benchmarks/bench_rope_store.py ;;
     wo_a) run bench_wo_a 300 python3 benchmarks/bench_wo_a.py ;;
     guards) run guards 300 python3 benchmarks/check_guards.py ;;
