@@ -7,6 +7,12 @@ set -uo pipefail
 OUT=${OUT:-/tmp/dsv41-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 DSV41_TACTICS_FILE=${DSV41_TACTICS_FILE:-$OUT/tactics.json}
+# The TileLang bundle ships only libz3 (TileLang loads it by RUNPATH) in a folder named z3; as an
+# importable namespace package it makes torch think the z3 Python API exists and crash. Block it.
+site="${TMPDIR:-/tmp}/dsv41-site"
+if [ -d "$site/z3" ] && [ ! -f "$site/z3/__init__.py" ]; then
+  echo 'raise ImportError("only libz3 is bundled (for TileLang), not the z3 Python API")' > "$site/z3/__init__.py"
+fi
 stages=${*:-env tests mhc rope_store wo_a guards}
 run() {  # name, limit seconds, command...
   local name=$1 limit=$2; shift 2

@@ -24,6 +24,7 @@ with a warning, unless static).
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 import weakref
@@ -34,7 +35,9 @@ import torch
 
 NP_DEFAULT = 32  # mix columns padded to a power of two: the parts' row length
 NUM_SLICES = 16  # fixed K partition of the compensated projection (depends on K only, never on M)
-CHUNK_MAX = 32  # widest chunk (columns) a kernel walks inside a K slice: part of the numerics
+# widest chunk (columns) a kernel walks inside a K slice: part of the numerics (DSV41_MHC_CHUNK is for
+# benchmarking other chunk widths; every mHC kernel of a process uses the same value)
+CHUNK_MAX = int(os.environ.get("DSV41_MHC_CHUNK", "32"))
 
 
 def slice_geometry(d: int) -> tuple[int, int]:

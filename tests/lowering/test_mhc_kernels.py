@@ -77,10 +77,26 @@ def bf16_ulp(x64):
     return torch.exp2(torch.floor(torch.log2(x64.abs().clamp_min(2.0**-126))) - 7)
 
 
-def assert_ulps(out, ref64, ulps=1.0):
+def assert_ulps(out, ref64, ulps=1.0, terms=None):
+    """Within ``ulps`` bf16 ulp of the float64 value; where the terms of an fp32 sum cancel (``terms`` =
+    the sum of their magnitudes), the fp32 accumulation error (<= 2^-22 of it for a handful of
+    terms) is allowed on top: no fp32 kernel, eager torch included, can do better there."""
     err = (out.double() - ref64).abs()
-    worst = (err / bf16_ulp(ref64)).max().item() if err.numel() else 0.0
-    assert worst <= ulps, f"max error {worst:.3f} bf16 ulp (bound {ulps})"
+    bound = ulps * bf16_ulp(ref64)
+    if terms is not None:
+        bound = bound + terms * 2.0**-22
+    worst = (err / bound).max().item() if err.numel() else 0.0
+    assert worst <= 1.0, f"max error {worst:.3f} x the bound ({ulps} bf16 ulp + fp32 term rounding)"
+
+
+def collapse_terms64(h, pre):
+    return (pre.double().unsqueeze(-1) * h.double()).abs().sum(1)
+
+
+def post_terms64(y, res, post, comb):
+    return (post.double().unsqueeze(-1) * y.double().unsqueeze(1)).abs() + (
+        comb.double().unsqueeze(-1) * res.double().unsqueeze(2)
+    ).abs().sum(1)
 
 
 def normwise(out, ref64):
@@ -406,10 +422,11 @@ def test_gpu_flash_numerics(m):
         torch.testing.assert_close(out.double(), r, rtol=2e-5, atol=2e-6)
     x_plain, x_normed = collapse_op(t, weight=None, bi=False), collapse_op(t, bi=False)
     c64 = _chunked(lambda s: collapse64(t["h"][s], t["pre_prev"][s]), m)
-    assert_ulps(x_plain, c64)
+    assert_ulps(x_plain, c64, terms=_chunked(lambda s: collapse_terms64(t["h"][s], t["pre_prev"][s]), m))
     assert_ulps(x_normed, _chunked(lambda s: norm64(x_plain[s], t["w"]), m))
     out = post_op(t, bi=False)
-    assert_ulps(out, _chunked(lambda s: post64(t["y"][s], t["h"][s], t["post"][s], t["comb"][s]), m))
+    assert_ulps(out, _chunked(lambda s: post64(t["y"][s], t["h"][s], t["post"][s], t["comb"][s]), m),
+                terms=_chunked(lambda s: post_terms64(t["y"][s], t["h"][s], t["post"][s], t["comb"][s]), m))
     # one read of h: mhc_pre is (collapse, stats) bitwise; the boundary is post then pre bitwise
     for a, b in zip(pre_op(t, bi=False), (x_normed, pre, post, comb)):
         assert_equal(a, b, "pre")

@@ -31,11 +31,12 @@ def make(m, h, d, g, r, rd, seed=0, device="cpu", head_pad=0):
     """o [M, H, D] (token stride (H + head_pad) * D), weight [G*R, K], complex table rows, strided cos/sin views."""
     gen = torch.Generator().manual_seed(seed)
     k = h // g * d
-    o = torch.randn(m, h + head_pad, d, generator=gen).to(BF16)[:, :h]
+    # slice on the target device: .to() of a strided view makes it contiguous
+    o = torch.randn(m, h + head_pad, d, generator=gen).to(BF16).to(device)[:, :h]
     w = (torch.randn(g * r, k, generator=gen) / k**0.5).to(BF16)
     pos = torch.randint(0, MAX_POS, (m,), generator=gen)
     freqs = rope_table(rd, MAX_POS, 10000.0, None)[pos] if rd != 64 else TABLE[pos]
-    o, w, freqs = o.to(device), w.to(device), freqs.to(device)
+    w, freqs = w.to(device), freqs.to(device)
     table = torch.view_as_real(freqs)  # the views the pattern's replacement passes
     return o, w, freqs, table[..., 0], table[..., 1]
 
