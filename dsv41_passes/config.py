@@ -32,6 +32,7 @@ class PassConfig:
     providers: tuple[str, ...] = _PROVIDERS
     dump_dir: str | None = None
     static_weights: bool = False
+    mhc_boundary: bool = False
     hc_sinkhorn_iters: int = 20
 
     def __post_init__(self) -> None:

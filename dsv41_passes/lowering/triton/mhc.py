@@ -47,12 +47,14 @@ _NP = tl.constexpr(NP)
 
 # Every projection config keeps BLOCK_M >= 16 * num_warps: on Hopper each warpgroup then owns 64 rows
 # and the dots lower to the same wgmma m64n32k16 chain, so a row's bits do not depend on the config.
+# Defaults: the configs the H200 tuning run of 2026-11-29 picked at M = 65536, 4096 and 128 alike
+# (benchmarks/results/mhc-tune-NVIDIA_H200-2026-11-29.json).
 DEFAULTS: dict[str, dict] = {
-    "mhc_post": dict(BLOCK_R=1, BLOCK_D=1024, num_warps=4),
+    "mhc_post": dict(BLOCK_R=1, BLOCK_D=1024, num_warps=8),
     "mhc_collapse": dict(BLOCK_R=32, num_warps=4),
-    "mhc_stats": dict(BLOCK_M=128, num_warps=8, num_stages=3),
-    "mhc_pre": dict(BLOCK_M=128, num_warps=8, num_stages=3),
-    "mhc_boundary": dict(BLOCK_M=128, num_warps=8, num_stages=3),
+    "mhc_stats": dict(BLOCK_M=64, num_warps=4, num_stages=3),
+    "mhc_pre": dict(BLOCK_M=64, num_warps=4, num_stages=3),
+    "mhc_boundary": dict(BLOCK_M=64, num_warps=4, num_stages=4),
 }
 # Under the CPU interpreter every program costs milliseconds: fewer, larger tiles. Every config computes
 # the same bits (see the module docstring), so this changes the speed of the tests, not their results.
