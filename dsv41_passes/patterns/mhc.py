@@ -127,18 +127,24 @@ def _collapse_only(term):
     return search
 
 
-def _collapse_norm(term, weight_first: bool):
+def _collapse_norm(term, weight_first: bool, round_trip: bool = True):
+    """collapse -> bf16 -> RMSNorm. ``round_trip=False`` is the same code after Inductor (GPU,
+    without ``emulate_precision_casts``) dropped the bf16 -> fp32 round trip between the two: the
+    fused op restores the reference's rounding point there."""
+
+    def collapsed(h, pre):
+        x = term(h, pre)
+        return x.to(BF16).float() if round_trip else x
+
     if weight_first:
 
         def search(h, pre, weight, eps):
-            x = term(h, pre).to(BF16)
-            return (weight * _normed(x.float(), eps)).to(BF16)
+            return (weight * _normed(collapsed(h, pre), eps)).to(BF16)
 
     else:
 
         def search(h, pre, weight, eps):
-            x = term(h, pre).to(BF16)
-            return (_normed(x.float(), eps) * weight).to(BF16)
+            return (_normed(collapsed(h, pre), eps) * weight).to(BF16)
 
     return search
 
@@ -180,14 +186,15 @@ def _collapse_spellings() -> list[Spelling]:
     for name, term in COLLAPSE_TERMS.items():
         out.append(Spelling(name, _collapse_only(term), _collapse_inputs))
         for first in (True, False):
-            out.append(
-                Spelling(
-                    f"{name}+rms_norm{'' if first else '_weight_last'}",
-                    _collapse_norm(term, first),
-                    _collapse_norm_inputs,
-                    scalars={"eps": EPS_SENTINEL},
+            for trip in (True, False):
+                out.append(
+                    Spelling(
+                        f"{name}+rms_norm{'' if first else '_weight_last'}{'' if trip else '_casts_dropped'}",
+                        _collapse_norm(term, first, trip),
+                        _collapse_norm_inputs,
+                        scalars={"eps": EPS_SENTINEL},
+                    )
                 )
-            )
     return out
 
 

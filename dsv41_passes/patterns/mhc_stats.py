@@ -12,7 +12,8 @@ and walk the rest with a bounded, linear walk:
     pre  = sigmoid(mix[:, :n]   * scale[0] + base[:n])   + hc_eps
     post = sigmoid(mix[:, n:2n] * scale[1] + base[n:2n]) * 2
     c    = softmax((mix[:, 2n:] * scale[2] + base[2n:]).view(M, n, n), -1) + hc_eps
-           (softmax decomposed with or without the max, or _softmax)
+           (softmax decomposed with or without the max, _softmax, or Inductor's GPU
+           ``prepare_softmax_online`` form)
     c    = c / (c.sum(-2) + hc_eps), then (iters - 1) x [row step, column step]
 
 Every literal is checked (dims, eps equal to hc_eps everywhere, the 2 of post,
@@ -155,14 +156,33 @@ def _affine(w: _Walk, sl: fx.Node, idx: int, lo: int, hi: Any) -> fx.Node:
     return a
 
 
+def _online_softmax(w: _Walk, logits: fx.Node, us: list[fx.Node]) -> fx.Node:
+    """Inductor's GPU form: (max, sum) = prepare_softmax_online(x, -1); exp(x - max) / sum."""
+    prep = next(u for u in us if _is(u, prims.prepare_softmax_online.default))
+    sub = next((u for u in us if _is(u, aten.sub.Tensor)), None)
+    _need(_dim_ok(prep.args[1], -1, 3), "online softmax is not over the last dim")
+    gets = {g.args[1]: g for g in prep.users if g.target is operator.getitem}
+    _need(len(prep.users) == 2 and set(gets) == {0, 1}, "online softmax outputs not recognised")
+    _need(sub is not None and sub.args == (logits, gets[0]), "online softmax max-subtraction not recognised")
+    e = w.one_user(sub, "softmax shift")
+    _need(_is(e, aten.exp.default), "softmax exp not found")
+    d = w.one_user(e, "softmax exp")
+    _need(_is(d, aten.div.Tensor) and d.args == (e, gets[1]) and len(gets[1].users) == 1,
+          "online softmax normalisation not recognised")
+    w.add(prep, gets[0], gets[1], sub, e, d)
+    return d
+
+
 def _softmax(w: _Walk, logits: fx.Node) -> fx.Node:
-    """softmax over the last dim: _softmax, max-subtracted exp/sum, or plain exp/sum."""
+    """softmax over the last dim: _softmax, max-subtracted exp/sum, plain exp/sum, or Inductor's online form."""
     us = list(logits.users)
     if len(us) == 1 and _is(us[0], aten._softmax.default):
         sm = us[0]
         _need(_dim_ok(sm.args[1], -1, 3) and not sm.args[2], "softmax is not over the last dim")
         w.add(sm)
         return sm
+    if hasattr(prims, "prepare_softmax_online") and any(_is(u, prims.prepare_softmax_online.default) for u in us):
+        return _online_softmax(w, logits, us)
     if len(us) == 2:
         amax = next((u for u in us if _is(u, aten.amax.default)), None)
         sub = next((u for u in us if _is(u, aten.sub.Tensor)), None)

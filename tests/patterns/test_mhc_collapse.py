@@ -82,3 +82,17 @@ def test_fp16_streams_are_skipped():
 
     _, rep = _run(fn, (h, pre))
     assert rep.sites == {}
+
+
+def test_dropped_round_trip_form_restores_the_reference_rounding():
+    """Inductor on GPUs (without emulate_precision_casts) drops the collapse's bf16 round trip before
+    the norm; the pattern still matches and the fused op rounds where the reference does."""
+    h, pre, w = _args()
+
+    def fn(h, pre, w):
+        xf = (pre.unsqueeze(-1) * h.float()).sum(1)
+        return (w * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6))).to(BF16)
+
+    out, rep = _run(fn, (h, pre, w))
+    assert rep.sites == {"mhc_collapse": 1}, rep.to_markdown()
+    assert torch.equal(out, rms_norm(hc_collapse(h, pre), w, 1e-6))

@@ -145,3 +145,32 @@ def test_dynamic_token_count():
         for a, b in zip(out, ref):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
     assert dp.last_report().sites == {"mhc_stats": 1}
+
+
+def test_inductor_online_softmax_form():
+    """The form Inductor gives softmax on GPUs: prims.prepare_softmax_online, then exp(x - max) / sum."""
+    import torch._inductor.inductor_prims  # noqa: F401  (registers prims.prepare_softmax_online)
+
+    def fn(h, fn_w, scale, base):
+        n = h.shape[1]
+        xf = h.flatten(1).float()
+        mix = F.linear(xf, fn_w) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6)
+        pre = torch.sigmoid(mix[:, :n] * scale[0] + base[:n]) + 1e-6
+        post = 2 * torch.sigmoid(mix[:, n:2 * n] * scale[1] + base[n:2 * n])
+        c = (mix[:, 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
+        mx, sm = torch.ops.prims.prepare_softmax_online(c, -1)
+        c = torch.exp(c - mx) / sm + 1e-6
+        return pre, post, sinkhorn_tail(c, 20, 1e-6)
+
+    out, ref, rep = _run(fn)
+    assert rep.sites == {"mhc_stats": 1}, rep.to_markdown()
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+
+
+def sinkhorn_tail(c, iters, eps):
+    c = c / (c.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + eps)
+        c = c / (c.sum(-2, keepdim=True) + eps)
+    return c
