@@ -1,0 +1,43 @@
+"""torch.library.opcheck over the mHC and batch-invariant matmul ops (the RoPE/store and WO-A ops
+have theirs beside their numerics tests), with every provider the machine can run."""
+
+import pytest
+import torch
+
+from dsv41_passes.lowering.registry import encode_mode
+
+BF16 = torch.bfloat16
+
+
+def _mhc_args(m=5, d=64):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(m, 4, d, generator=g).to(BF16)
+    fn = torch.randn(24, 4 * d, generator=g) / 16
+    sc, base, pre = torch.rand(3, generator=g) + 0.5, torch.randn(24, generator=g), torch.rand(m, 4, generator=g)
+    w = torch.rand(d, generator=g) + 0.5
+    y, post, comb = torch.randn(m, d, generator=g).to(BF16), torch.rand(m, 4, generator=g), torch.rand(m, 4, 4, generator=g)
+    return dict(h=h, fn=fn, sc=sc, base=base, pre=pre, w=w, y=y, post=post, comb=comb)
+
+
+CASES = {
+    "mhc_post": lambda a: (a["y"], a["h"], a["post"], a["comb"]),
+    "mhc_stats": lambda a: (a["h"], a["fn"], a["sc"], a["base"], 20, 1e-6, 1e-6),
+    "mhc_collapse": lambda a: (a["h"], a["pre"], a["w"], 1e-6),
+    "mhc_pre": lambda a: (a["h"], a["pre"], a["fn"], a["sc"], a["base"], a["w"], 20, 1e-6, 1e-6, 1e-6),
+    "mhc_boundary": lambda a: (a["y"], a["h"], a["post"], a["comb"], a["pre"], a["fn"], a["sc"], a["base"], a["w"],
+                               20, 1e-6, 1e-6, 1e-6),
+    "bi_mm": lambda a: (a["y"], a["h"][:, 0].t().contiguous()),
+    "bi_bmm": lambda a: (a["h"], a["h"].transpose(1, 2).contiguous()),
+}
+
+
+@pytest.mark.parametrize("providers", ["reference", "triton,reference"])
+@pytest.mark.parametrize("op", sorted(CASES))
+def test_opcheck(op, providers):
+    args = CASES[op](_mhc_args())
+    torch.library.opcheck(getattr(torch.ops.dsv41, op).default, (*args, providers, encode_mode(False)))
+
+
+def test_collapse_without_norm_weight():
+    a = _mhc_args()
+    torch.library.opcheck(torch.ops.dsv41.mhc_collapse.default, (a["h"], a["pre"], None, 0.0, "reference", 0))
