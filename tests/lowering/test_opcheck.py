@@ -41,3 +41,19 @@ def test_opcheck(op, providers):
 def test_collapse_without_norm_weight():
     a = _mhc_args()
     torch.library.opcheck(torch.ops.dsv41.mhc_collapse.default, (a["h"], a["pre"], None, 0.0, "reference", 0))
+
+
+@pytest.mark.parametrize("providers", ["reference", "triton,reference"])
+def test_batch_invariant_matmuls_give_a_row_the_same_bits_at_any_m(providers):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 40, generator=g).to(BF16)
+    row = torch.randn(1, 48, generator=g).to(BF16)
+    outs = []
+    for m, p in ((1, 0), (5, 4), (70, 33)):
+        a = torch.randn(m, 48, generator=g).to(BF16)
+        a[p] = row[0]
+        outs.append(torch.ops.dsv41.bi_mm(a, w, providers, encode_mode(True))[p])
+        b = torch.randn(m, 3, 48, generator=g).to(BF16)
+        b[p] = row.expand(3, 48)
+        outs.append(torch.ops.dsv41.bi_bmm(b, w.expand(m, 48, 40).contiguous(), providers, encode_mode(True))[p][0])
+    assert all(torch.equal(outs[0], o) for o in outs[::2]) and all(torch.equal(outs[1], o) for o in outs[1::2])
