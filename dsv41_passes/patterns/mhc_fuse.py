@@ -101,6 +101,19 @@ def _retag(old: list[fx.Node], new: fx.Node, ctx: PassContext, op_name: str) -> 
     new.meta["dsv41_sites"] = sites
 
 
+def _replace(graph: fx.Graph, ctx: PassContext, new: fx.Node, gets: list[fx.Node], *, single: fx.Node,
+             multi: fx.Node, op_name: str) -> None:
+    """``new`` (outputs ``gets``) takes over a single-output op (its output 0) and a multi-output op (1..)."""
+    single.replace_all_uses_with(gets[0])
+    for i, g in enumerate(_outputs(multi)):
+        if g is not None:
+            g.replace_all_uses_with(gets[1 + i])
+            graph.erase_node(g)
+    _retag([single, multi], new, ctx, op_name)
+    graph.erase_node(multi)
+    graph.erase_node(single)
+
+
 def fuse_pre(graph: fx.Graph, ctx: PassContext) -> int:
     n = 0
     for stats in list(graph.find_nodes(op="call_function", target=OPS.mhc_stats.default)):
@@ -118,14 +131,7 @@ def fuse_pre(graph: fx.Graph, ctx: PassContext) -> int:
         _, fn, scale, base, iters, hc_eps, norm_eps, providers, mode = stats.args
         args = (h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, providers, mode)
         node, gets = _emit(graph, OPS.mhc_pre.default, args, _latest(graph, [h, pre_prev, fn, scale, base, weight]), stats)
-        col.replace_all_uses_with(gets[0])
-        for i, g in enumerate(_outputs(stats)):
-            if g is not None:
-                g.replace_all_uses_with(gets[1 + i])
-                graph.erase_node(g)
-        _retag([stats, col], node, ctx, "mhc_pre")
-        graph.erase_node(stats)
-        graph.erase_node(col)
+        _replace(graph, ctx, node, gets, single=col, multi=stats, op_name="mhc_pre")
         n += 1
     return n
 
@@ -141,15 +147,7 @@ def fuse_boundary(graph: fx.Graph, ctx: PassContext) -> int:
         args = (y, res, p, c, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, providers, mode)
         latest = _latest(graph, [y, res, p, c, pre_prev, fn, scale, base, weight])
         node, gets = _emit(graph, OPS.mhc_boundary.default, args, latest, pre)
-        outs = _outputs(pre)
-        post.replace_all_uses_with(gets[0])
-        for i, g in enumerate(outs):
-            if g is not None:
-                g.replace_all_uses_with(gets[1 + i])
-                graph.erase_node(g)
-        _retag([post, pre], node, ctx, "mhc_boundary")
-        graph.erase_node(pre)
-        graph.erase_node(post)
+        _replace(graph, ctx, node, gets, single=post, multi=pre, op_name="mhc_boundary")
         n += 1
     return n
 
