@@ -23,14 +23,17 @@ def inductor_options(config: PassConfig | None = None) -> dict[str, Any]:
     """Inductor config patches installing the passes (``torch.compile(options=...)``, ``compile_fx(config_patches=...)``).
 
     In batch-invariant mode Inductor's own ``deterministic`` / ``batch_invariant``
-    switches are set too, where this torch has them.
+    switches are set too, where this torch has them. With ``dump_dir`` the FX graph
+    cache is bypassed: a cache hit would skip the passes and so the dump.
     """
+    import torch._inductor.config as icfg
+
     config = config or PassConfig()
     manager = PostGradPassManager(config)
     opts: dict[str, Any] = {"post_grad_custom_post_pass": manager}
+    if config.dump_dir and hasattr(icfg, "fx_graph_cache"):
+        opts["fx_graph_cache"] = False
     if manager.batch_invariant:
-        import torch._inductor.config as icfg
-
         for name in ("deterministic", "batch_invariant"):
             if hasattr(icfg, name):
                 opts[name] = True

@@ -106,13 +106,20 @@ def test_fx_graph_cache_hit_keeps_the_report(tmp_path):
     assert second["sum"] == first["sum"]
 
 
-def test_dump_dir_writes_graphs_patterns_and_report(tmp_path):
+def test_dump_dir_writes_graphs_patterns_and_report(tmp_path, monkeypatch):
     def block(y, res, post, comb):
         return (torch.einsum("mjk,mjd->mkd", comb, res.float()) + post.unsqueeze(-1) * y.unsqueeze(1)).to(torch.bfloat16)
 
     args = (torch.randn(5, 16).bfloat16(), torch.randn(5, 4, 16).bfloat16(), torch.rand(5, 4), torch.rand(5, 4, 4))
-    torch._dynamo.reset()
-    dp.compile(block, dp.PassConfig(dump_dir=str(tmp_path)))(*args)
+    # A warm FX graph cache holding this very graph (compiled without a dump) must not skip the dump.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    dump = tmp_path / "dump"
+    with torch._inductor.config.patch(fx_graph_cache=True):
+        torch._dynamo.reset()
+        dp.compile(block, dp.PassConfig())(*args)
+        torch._dynamo.reset()
+        dp.compile(block, dp.PassConfig(dump_dir=str(dump)))(*args)
+    tmp_path = dump
     names = sorted(p.name for p in tmp_path.iterdir())
     assert {"patterns.txt"} <= set(names)
     assert any(n.endswith(".before.txt") for n in names) and any(n.endswith(".after.txt") for n in names)
