@@ -21,7 +21,10 @@ and never depend on M, the launch grid or the config:
 * Sinkhorn: a row block at once as [BM, 4] tiles per comb row, explicit reduction trees.
 
 Kernels upcast right after loading (the CPU interpreter computes bf16 on raw
-bits) and round with ``rne_bf16`` before bf16 stores. M is a runtime argument
+bits) and round with ``rne_bf16`` before bf16 stores. Every launch passes
+``LAUNCH_OPTIONS`` (``enable_fp_fusion=False``): products and sums round one by
+one, as in eager torch and the interpreter, and no compile variant (a config, a
+constexpr flag) can contract a different product into an FMA than another. M is a runtime argument
 (``do_not_specialize``), offsets are int64. Launch configs come from
 ``dsv41_passes.tuning.tactic``; the defaults are M-independent and
 ``CANDIDATES`` lists what a tuner may time.
@@ -65,6 +68,10 @@ INTERPRETER_DEFAULTS: dict[str, dict] = {
     "mhc_pre": dict(BLOCK_M=512, num_warps=8, num_stages=1),
     "mhc_boundary": dict(BLOCK_M=512, num_warps=8, num_stages=1),
 }
+
+
+# Compile options of every launch (see the module docstring: no FMA contraction).
+LAUNCH_OPTIONS = dict(enable_fp_fusion=False)
 
 
 def default_config(op: str) -> dict:
@@ -239,6 +246,7 @@ def mhc_post(y, res, post, comb, *, batch_invariant: bool, config: dict | None =
     _post_kernel[grid](
         y, res, post, comb, out, m, y.stride(0), res.stride(0), out.stride(0),
         D=d, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=block_d, INTERP=INTERPRET, num_warps=cfg["num_warps"],
+        **LAUNCH_OPTIONS,
     )
     return out
 
@@ -293,7 +301,7 @@ def mhc_collapse(h, pre, weight, eps: float, *, batch_invariant: bool, config: d
     _collapse_kernel[(triton.cdiv(m, cfg["BLOCK_R"]),)](
         h, pre, w, x, m, h.stride(0), x.stride(0), float(eps),
         D=d, BK=bk, BLOCK_R=cfg["BLOCK_R"], XB=_norm_block(d, cfg["BLOCK_R"]), NORM=weight is not None,
-        INTERP=INTERPRET, num_warps=cfg["num_warps"],
+        INTERP=INTERPRET, num_warps=cfg["num_warps"], **LAUNCH_OPTIONS,
     )
     return x
 
@@ -534,6 +542,7 @@ def _launch_proj(
         int(iters), float(hc_eps), float(norm_eps), float(eps),
         D=d, BK=bk, BM=bm, XB=_norm_block(d, bm), BOUNDARY=boundary, COLLAPSE=collapse, NORM=norm, MIXES=mixes,
         INTERP=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
+        **LAUNCH_OPTIONS,
     )
     return out
 

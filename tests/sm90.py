@@ -1,0 +1,56 @@
+"""Build Triton kernels for sm_90 on a machine without a GPU and return their PTX.
+
+The test process runs Triton under the interpreter (``TRITON_INTERPRET=1`` is read when the
+kernels are decorated), so the build runs in a child process without it. Pointer and stride
+arguments get the 16-divisibility a real launch sees, so the PTX is what the GPU runs
+(vectorized loads, cp.async pipelines).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_SCRIPT = """
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+spec = json.loads(sys.stdin.read())
+out = []
+for b in spec["builds"]:
+    kernel = getattr(importlib.import_module(b["module"]), b["kernel"])
+    consts = b["constexprs"]
+    types = b["types"]
+    sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in kernel.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
+             if a in b["aligned"] or (a in types and types[a].startswith("*"))}
+    c = triton.compile(ASTSource(kernel, sig, consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options=b["options"])
+    out.append(dict(ptx=c.asm["ptx"], shared=c.metadata.shared))
+print(json.dumps(out))
+"""
+
+
+def build_sm90(builds: list[dict]) -> list[dict]:
+    """``builds``: dicts with module, kernel, types (arg -> ``*bf16``/``fp32``/...; others i32),
+    aligned (int args divisible by 16), constexprs, options. Returns ``[{ptx, shared}]``."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(_SCRIPT)], input=json.dumps(dict(builds=builds)),
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def instructions(ptx: str) -> list[str]:
+    """The PTX instruction lines (no directives, labels, braces or comments)."""
+    skip = ("//", ".", "$", "{", "}", ")", "(")
+    return [line.strip() for line in ptx.splitlines() if line.strip() and not line.strip().startswith(skip)]
