@@ -93,11 +93,11 @@ def test_q_rope_store_bad_inputs(change, match):
 
 # ----------------------------------------------------------------------------- FP8
 @triton.jit
-def _qdq_test_kernel(x_ptr, y_ptr, NB: tl.constexpr, BLOCK: tl.constexpr):
+def _qdq_test_kernel(x_ptr, y_ptr, NB: tl.constexpr, BLOCK: tl.constexpr, HW: tl.constexpr):
     # x: bf16 pairs as int32 words [NB, BLOCK/2]; y: fp32 [NB, BLOCK/2, 2]
     offs = tl.arange(0, NB)[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
     z0, z1 = _unpack_bf16x2(tl.load(x_ptr + offs).to(tl.uint32, bitcast=True))
-    q0, q1 = _fp8_qdq_pairs(tl.expand_dims(z0, 0), tl.expand_dims(z1, 0))
+    q0, q1 = _fp8_qdq_pairs(tl.expand_dims(z0, 0), tl.expand_dims(z1, 0), HW)
     tl.store(y_ptr + 2 * offs, tl.reshape(q0, (NB, BLOCK // 2)))
     tl.store(y_ptr + 2 * offs + 1, tl.reshape(q1, (NB, BLOCK // 2)))
 
@@ -124,14 +124,19 @@ def _fp8_edge_values() -> torch.Tensor:
     return torch.cat([torch.stack(blocks), rand]).to(BF16)
 
 
-def test_fp8_qdq_is_bitwise_the_reference_rule():
+@pytest.mark.parametrize("hw", [False, pytest.param(True, marks=pytest.mark.gpu)], ids=["bit_rule", "cvt_on_gpu"])
+def test_fp8_qdq_is_bitwise_the_reference_rule(hw):
+    """The e4m3 rounding on the fp32 bits (interpreter and GPU) and the GPU's cvt.rn.satfinite
+    conversion the launched kernel uses, both against the reference rule."""
+    dev = "cuda" if hw else ("cuda" if torch.cuda.is_available() else "cpu")
     x = _fp8_edge_values()
     nb = x.shape[0]
     pad = triton.next_power_of_2(nb)
     xp = torch.zeros(pad, 32, dtype=BF16)
     xp[:nb] = x
-    y = torch.empty(pad, 32)
-    _qdq_test_kernel[(1,)](xp.view(torch.int32), y, NB=pad, BLOCK=32)
+    y = torch.empty(pad, 32, device=dev)
+    _qdq_test_kernel[(1,)](xp.to(dev).view(torch.int32), y, NB=pad, BLOCK=32, HW=hw)
+    y = y.cpu()
     want = fp8_block_qdq(x, 32)
     got = y[:nb].to(BF16)  # exact: every result has <= 4 significant bits
     assert torch.equal(y[:nb], got.float())
@@ -307,3 +312,40 @@ def test_gpu_kv_matches_cpu_rule(m):
     step = torch.maximum(out[rows].float().abs(), want.float().abs()) * 2.0**-3 + scale.flatten(-2) * 2.0**-9
     assert ((out[rows].float() - want.float()).abs() <= step).all()
     assert torch.equal(c_gpu.cpu()[slots], out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [4096, 65536])
+def test_gpu_kv_hardware_conversions_are_the_bit_rule(m):
+    """The launched kernel (hardware bf16/e4m3 conversions) and the same kernel with the
+    interpreter's bit-level rounding give the same bits, cache included."""
+    from dsv41_passes.lowering.triton import rope_store as rk
+
+    d, rd, block, slots_n = 512, 64, 32, 2 * 65536 + 1
+    cache, kv, weight, cos, sin, slots = (t.cuda() for t in _kv_case(m, d, rd, slots_n, seed=3))
+    outs = []
+    for hw in (True, False):
+        c = cache.clone()
+        out = rk.kv_rope_quant(kv, weight, 1e-6, cos, sin, block, c, slots, batch_invariant=True,
+                               config=dict(rk.KV_DEFAULT, HW=hw))
+        outs.append((out, c))
+    assert torch.equal(_bits(outs[0][0]), _bits(outs[1][0]))
+    assert torch.equal(_bits(outs[0][1]), _bits(outs[1][1]))
+
+
+def test_kv_kernel_builds_for_sm90_with_hardware_conversions():
+    """The GPU build as launched (compiled for sm_90 without a GPU): the roundings are single
+    hardware conversions and nothing is contracted into an FMA."""
+    from sm90 import build_sm90, instructions
+
+    types = dict(kv_ptr="*i32", w_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32", slot_ptr="*i64", out_ptr="*i32",
+                 cache_ptr="*i32", eps="fp32")
+    builds = [dict(module="dsv41_passes.lowering.triton.rope_store", kernel="_kv_rope_quant_kernel", types=types,
+                   aligned=["stride_km", "stride_om", "stride_cm", "stride_sm", "stride_cache"],
+                   constexprs=dict(D=512, PAIR0=224, BLOCK=32, NB=16, BLOCK_T=1, STORE=True, HW=hw),
+                   options=dict(num_warps=2, enable_fp_fusion=False)) for hw in (True, False)]
+    hw_build, bit_build = (instructions(b["ptx"]) for b in build_sm90(builds))
+    ops = {i.split()[0] for i in hw_build}
+    assert {"cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.bf16.f32"} <= ops, sorted(ops)
+    assert not any(i.startswith("fma.") for i in hw_build + bit_build)
+    assert len(hw_build) < 0.8 * len(bit_build), (len(hw_build), len(bit_build))
