@@ -10,11 +10,13 @@ and never depend on M, the launch grid or the config:
   so one loaded chunk feeds the projection, the sums of squares and the
   collapse.
 * Projection: compensated BF16x3, three ``tl.dot`` per (chunk, stream) into
-  separate fp32 accumulators; slice partial = ``(hi + mid) + lo``; the 16
-  partials summed in slice order. ``BLOCK_M >= 16 * num_warps`` in every config,
+  separate fp32 accumulators (hi: a fresh MMA chain per dot, added in fp32
+  registers; mid, lo: MMA chains over the slice, see ``_dot3``); slice partial =
+  ``(hi + mid) + lo``; the 16 partials summed in slice order. ``BLOCK_M >= 16 * num_warps`` in every config,
   so Hopper always lowers the dots to the same wgmma chain.
 * Sums of squares (of the residual, and of the rounded collapse for the norm):
-  fp32 elementwise accumulation per chunk position, then a fixed pairwise tree
+  fp32 elementwise accumulation per chunk position (explicit ``tl.fma``, which
+  rounds once on the GPU and in the interpreter alike), then a fixed pairwise tree
   over the BK positions (``_row_sum``; ``tl.sum`` is avoided because its tree
   follows the register layout, which changes with the config), then the slice
   sums in slice order.
@@ -84,6 +86,9 @@ _PROJ_CANDIDATES = [
 ]
 # 256 rows halve the L2 traffic of the weight parts per row; the boundary's extra tiles do not fit there
 _WIDE = [dict(BLOCK_M=256, num_warps=8, num_stages=st) for st in (2, 3)]
+# the four streams of a chunk as one dot operand: the sm_90 build issues 3 wgmma groups a chunk and
+# waits once (12 and 10 unstacked); the hi part's MMA chains grow from BK to 4 BK products
+_STACKED = [dict(c, STACK=True) for c in _PROJ_CANDIDATES + _WIDE]
 CANDIDATES: dict[str, list[dict]] = {
     "mhc_post": [
         dict(BLOCK_R=r, BLOCK_D=b, num_warps=w)
@@ -93,8 +98,8 @@ CANDIDATES: dict[str, list[dict]] = {
         if r * b <= 4096
     ],
     "mhc_collapse": [dict(BLOCK_R=r, num_warps=w) for r in (16, 32, 64) for w in (4, 8)],
-    "mhc_stats": _PROJ_CANDIDATES + _WIDE,
-    "mhc_pre": _PROJ_CANDIDATES + _WIDE,
+    "mhc_stats": _PROJ_CANDIDATES + _WIDE + _STACKED,
+    "mhc_pre": _PROJ_CANDIDATES + _WIDE + _STACKED,
     "mhc_boundary": _PROJ_CANDIDATES,
 }
 
@@ -278,7 +283,7 @@ def _collapse_kernel(
             h3 = tl.load(hb + 3 * D, mask=m2, other=0.0).to(tl.float32)
             xb, xc = _round_bf16(_collapse(h0, h1, h2, h3, p0, p1, p2, p3), INTERP)
             tl.store(x_ptr + rows[:, None] * stride_x + cols[None, :], xb, mask=m2)
-            xsq += xc * xc
+            xsq = tl.fma(xc, xc, xsq)
         sumsq += _row_sum(xsq, BLOCK_R, BK)
     if NORM:
         tl.debug_barrier()
@@ -319,14 +324,15 @@ def _dot3(a, parts_ptr, krows, acc_hi, acc_mid, acc_lo, K: tl.constexpr, INTERP:
         acc_mid = tl.dot(a, w_mid.to(tl.float32), acc_mid, input_precision="ieee")
         acc_lo = tl.dot(a, w_lo.to(tl.float32), acc_lo, input_precision="ieee")
     else:
-        # Each chunk's dots start from zero and are added to the running sums in fp32 registers:
-        # the tensor cores then accumulate BK products only (Hopper's in-MMA accumulation is not
-        # IEEE round-to-nearest; over a 1280-long chain its error reached ~1.3e-6 normwise).
-        # ``acc * 0`` is a zero the compiler cannot fold, so the adds stay outside the MMA.
+        # Hopper's in-MMA accumulation is not IEEE round-to-nearest: over a 1280-long chain its error
+        # reached ~1.3e-6 normwise. Only the hi part carries that weight: each of its dots starts
+        # from zero (``acc * 0``, a zero the compiler cannot fold) and is added in fp32 registers.
+        # The mid and lo parts are below 2^-8 and 2^-16 of it, so their chains accumulate in the MMA
+        # over the whole slice (error ~2^-8 smaller again; no fresh-accumulator adds, no waits).
         z = acc_hi * 0.0
         acc_hi += tl.dot(a, w_hi, z)
-        acc_mid += tl.dot(a, w_mid, z)
-        acc_lo += tl.dot(a, w_lo, z)
+        acc_mid = tl.dot(a, w_mid, acc_mid)
+        acc_lo = tl.dot(a, w_lo, acc_lo)
     return acc_hi, acc_mid, acc_lo
 
 
@@ -410,12 +416,14 @@ def _proj_kernel(
     iters, hc_eps, norm_eps, eps,
     D: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, XB: tl.constexpr,
     BOUNDARY: tl.constexpr, COLLAPSE: tl.constexpr, NORM: tl.constexpr, MIXES: tl.constexpr,
-    INTERP: tl.constexpr,
+    STACK: tl.constexpr, INTERP: tl.constexpr,
 ):
     """One (row block, K slice) per program; the last slice program of a row block to finish reduces it.
 
     BOUNDARY: h is ``post(y, res, post_in, comb_in)``, computed here and written once to new_ptr.
     COLLAPSE: also ``x = bf16(sum_j pre_prev_j h_j)`` (NORM: then RMSNorm of x, finished in place).
+    STACK (not with BOUNDARY): the projection takes a chunk's four streams as one K = 4 BK operand,
+    so the hi part's MMA chains are 4 BK long instead of BK; everything else is bit-identical.
     """
     DS: tl.constexpr = D // _S
     K: tl.constexpr = 4 * D
@@ -432,16 +440,40 @@ def _proj_kernel(
     acc_lo = tl.zeros((BM, _NP), tl.float32)
     ssq = tl.zeros((BM, BK), tl.float32)
     xsq = tl.zeros((BM, BK), tl.float32)
+    if STACK and COLLAPSE:
+        p0 = tl.load(pre_prev_ptr + rows * 4, mask=rmask, other=0.0)[:, None]
+        p1 = tl.load(pre_prev_ptr + rows * 4 + 1, mask=rmask, other=0.0)[:, None]
+        p2 = tl.load(pre_prev_ptr + rows * 4 + 2, mask=rmask, other=0.0)[:, None]
+        p3 = tl.load(pre_prev_ptr + rows * 4 + 3, mask=rmask, other=0.0)[:, None]
     for c in range(DS // BK):
         cols = s * DS + c * BK + tl.arange(0, BK)
         hb = h_ptr + rr * stride_h + cols[None, :]
+        if STACK:
+            # the chunk's four streams as one [BM, 4 BK] operand: three dots a chunk, not twelve
+            j = tl.arange(0, 4 * BK)
+            kcol = (j // BK) * D + s * DS + c * BK + j % BK
+            a = tl.load(h_ptr + rr * stride_h + kcol[None, :], mask=m2, other=0.0)
+            hf = a.to(tl.float32)
+            if INTERP:
+                a = hf
+            acc_hi, acc_mid, acc_lo = _dot3(a, parts_ptr, kcol, acc_hi, acc_mid, acc_lo, K, INTERP)
+            # streams back out of the stacked tile: [BM, BK, 2, 2] with stream = 2 * a + b
+            e, o = tl.split(tl.permute(tl.reshape(hf, (BM, 2, 2, BK)), (0, 3, 1, 2)))
+            h0, h2 = tl.split(e)
+            h1, h3 = tl.split(o)
+            ssq = tl.fma(h0, h0, ssq)
+            ssq = tl.fma(h1, h1, ssq)
+            ssq = tl.fma(h2, h2, ssq)
+            ssq = tl.fma(h3, h3, ssq)
+            if COLLAPSE:
+                xc = _collapse(h0, h1, h2, h3, p0, p1, p2, p3)
         if BOUNDARY:
             yv = tl.load(y_ptr + rr * stride_y + cols[None, :], mask=m2, other=0.0).to(tl.float32)
             r0 = tl.load(hb, mask=m2, other=0.0).to(tl.float32)
             r1 = tl.load(hb + D, mask=m2, other=0.0).to(tl.float32)
             r2 = tl.load(hb + 2 * D, mask=m2, other=0.0).to(tl.float32)
             r3 = tl.load(hb + 3 * D, mask=m2, other=0.0).to(tl.float32)
-        for k in tl.static_range(4):
+        for k in tl.static_range(0 if STACK else 4):
             if BOUNDARY:  # stream k of the new residual: written once, then used from registers
                 cb = comb_in_ptr + rows * 16 + k
                 ak, hk = _round_bf16(_combine(
@@ -459,7 +491,7 @@ def _proj_kernel(
             if INTERP:
                 ak = hk
             acc_hi, acc_mid, acc_lo = _dot3(ak, parts_ptr, k * D + cols, acc_hi, acc_mid, acc_lo, K, INTERP)
-            ssq += hk * hk
+            ssq = tl.fma(hk, hk, ssq)
             if COLLAPSE:
                 pk = tl.load(pre_prev_ptr + rows * 4 + k, mask=rmask, other=0.0)[:, None]
                 if k == 0:
@@ -469,7 +501,7 @@ def _proj_kernel(
         if COLLAPSE:
             xb, xc = _round_bf16(xc, INTERP)
             tl.store(x_ptr + rr * stride_x + cols[None, :], xb, mask=m2)
-            xsq += xc * xc
+            xsq = tl.fma(xc, xc, xsq)
     # this slice's partials -> workspace slot pid ([BM, NMIX] mixes, [BM] sums of squares)
     n = tl.arange(0, _NP)
     tl.store(ws_ptr + (pid * BM + r[:, None]) * _NMIX + n[None, :], (acc_hi + acc_mid) + acc_lo,
@@ -527,6 +559,9 @@ def _launch_proj(
     xss = torch.empty_like(ss) if norm else ss
     count = torch.zeros(nblocks, dtype=torch.int32, device=dev)
     _, bk = slice_geometry(d)
+    stack = bool(cfg.get("STACK", False))
+    if stack and boundary:
+        raise ValueError(f"Triton {op}: STACK configs are for the projection of a stored residual, not the boundary")
     dummy = out["pre"]
     new_res = out.get("new_res", dummy)
     x = out.get("x", dummy)
@@ -541,7 +576,7 @@ def _launch_proj(
         x.stride(0) if collapse else 0,
         int(iters), float(hc_eps), float(norm_eps), float(eps),
         D=d, BK=bk, BM=bm, XB=_norm_block(d, bm), BOUNDARY=boundary, COLLAPSE=collapse, NORM=norm, MIXES=mixes,
-        INTERP=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
+        STACK=stack, INTERP=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
         **LAUNCH_OPTIONS,
     )
     return out
