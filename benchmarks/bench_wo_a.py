@@ -179,6 +179,18 @@ def bench_shape(tp: int, m: int, providers: list[str], tflops: float, bandwidth:
     del o_gm, z_gm
     for p in runnable:
         row[f"ours_{p}"], row[f"timing_{p}"] = timed(lambda p=p: torch.ops.dsv41.wo_a(o, w, cos, sin, ROPE, p, mode))
+    if "tilelang" in runnable:  # the one-loop kernel's largest tile, beside the default, every run
+        from dsv41_passes.lowering.tilelang import wo_a as tw
+
+        cfg = dict(BM=128, BN=256, BK=64, stages=4, threads=256, one_loop=True) if m > 1024 else \
+            dict(BM=64, BN=128, BK=64, stages=4, threads=128, one_loop=True)
+        out = tw.wo_a(o, w, cos, sin, ROPE, batch_invariant=False, config=cfg)
+        ok["ours_tilelang_one_loop"] = check("ours_tilelang_one_loop", out, torch.ops.dsv41.wo_a(
+            o, w, cos, sin, ROPE, "reference", mode))
+        row["ours_tilelang_one_loop"], row["config_tilelang_one_loop"] = timed(
+            lambda: tw.wo_a(o, w, cos, sin, ROPE, batch_invariant=False, config=cfg))[0], cfg
+        if not ok["ours_tilelang_one_loop"]:
+            row["ours_tilelang_one_loop"] = None  # a wrong kernel has no time
     if tune_configs:
         ref = torch.ops.dsv41.wo_a(o, w, cos, sin, ROPE, "reference", mode)
         for p in runnable:
@@ -190,7 +202,8 @@ def bench_shape(tp: int, m: int, providers: list[str], tflops: float, bandwidth:
     row["roofline_tc"] = flops / tflops * 1e3
     row["roofline_hbm"] = bytes_moved / bandwidth * 1e3
     row["roofline"] = max(row["roofline_tc"], row["roofline_hbm"])
-    best = min((row[c] for p in runnable for c in (f"ours_{p}", f"tuned_{p}") if row.get(c)), default=None)
+    cols = [c for p in runnable for c in (f"ours_{p}", f"tuned_{p}")] + ["ours_tilelang_one_loop"]
+    best = min((row[c] for c in cols if row.get(c)), default=None)
     row["ours_best"] = best
     if best:
         row["x_eager"] = row["eager"] / best if row["eager"] else None
@@ -218,6 +231,8 @@ def main() -> None:
     rows = [bench_shape(tp, m, args.providers, tflops, bandwidth, args.tune) for tp in args.tp for m in args.m]
 
     ours = [f"ours_{p}" for p in args.providers] + ([f"tuned_{p}" for p in args.providers] if args.tune else [])
+    if "tilelang" in args.providers:
+        ours.append("ours_tilelang_one_loop")
     cols = ["tp", "M", "eager", "inductor", "cublas_bmm", *ours, "roofline", "x_eager", "x_cublas"]
     if args.tune:
         from benchmarks.common import RESULTS

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import dsv41_passes  # noqa: F401  (registers torch.ops.dsv41.*)
-from dsv41_passes.lowering.registry import choose, encode_mode
+from dsv41_passes.lowering.registry import choose, encode_mode, tilelang_available
 from dsv41_passes.reference.rope import apply_rotary_complex, rope_table
 
 BF16 = torch.bfloat16
@@ -282,6 +282,9 @@ kernel = tw.compile_kernel(g, r, hpg, d, rd, dict(tw.BATCH_INVARIANT_CONFIG, BN=
 out["batch_invariant"] = kernel.get_kernel_source()
 bn, bk = tw._tiles(tw.default_config(1), d, r, rd)
 out["decode"] = tw.lower_source(g, r, hpg, d, rd, dict(tw.default_config(1), BN=bn, BK=bk))  # codegen only
+one_loop = [c for c in tw.CANDIDATES[tw.TACTIC_OP] if c.get("one_loop")]
+big = max(one_loop, key=lambda c: (c["BM"] * c["BN"], c["stages"]))
+out["one_loop"] = tw.compile_kernel(g, r, hpg, d, rd, big).get_kernel_source()  # nvcc, sm_90a
 json.dump(out, sys.stdout)
 """
 
@@ -310,6 +313,9 @@ def test_tilelang_compiles_for_sm90a(tmp_path):
         assert "wgmma" in src, f"{name}: no tensor-core wgmma in the sm_90a source"
         assert "int M" in src, f"{name}: the token count is not a runtime argument"
     assert "tma_load" in sources["batch_invariant"]
+    # one K loop: warpgroups split the 128 x 256 tile by rows (wgmma m64n256), rope chunks in place
+    one = sources["one_loop"]
+    assert "tma_load" in one and "64, 256, 16, false" in one and "x1 * c" in one
 
 
 # ------------------------------------------------------------------ GPU
@@ -332,6 +338,25 @@ def test_gpu_numerics(provider, tp):
             ref = run_op("reference", o, w, c, s, rd)
             assert_bf16_gemm_close(out, ref)
             assert normwise_error(out, float64_oracle(o, w, c, s, rd, g)) <= 4e-3, (m, c is not None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", sorted(TP_SHAPES))
+def test_gpu_tilelang_one_loop_configs(tp):
+    """Every tuner candidate of the one-loop TileLang kernel, with and without the inverse RoPE."""
+    if tilelang_available(torch.empty(0, device="cuda")):
+        pytest.skip(tilelang_available(torch.empty(0, device="cuda")))
+    from dsv41_passes.lowering.tilelang import wo_a as tw
+
+    h, d, g, r, rd = TP_SHAPES[tp]
+    o_all, w, _, cos_all, sin_all = make(max(GPU_M), h, d, g, r, rd, seed=5, device="cuda")
+    for cfg in [c for c in tw.CANDIDATES[tw.TACTIC_OP] if c.get("one_loop")]:
+        for m in GPU_M:
+            o, cos, sin = o_all[:m], cos_all[:m], sin_all[:m]
+            for c, s in ((cos, sin), (None, None)):
+                out = tw.wo_a(o, w, c, s, rd, batch_invariant=False, config=cfg)
+                assert_bf16_gemm_close(out, run_op("reference", o, w, c, s, rd))
+                assert normwise_error(out, float64_oracle(o, w, c, s, rd, g)) <= 4e-3, (cfg, m, c is not None)
 
 
 @pytest.mark.gpu

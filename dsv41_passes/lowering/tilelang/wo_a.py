@@ -12,6 +12,11 @@ The K loop has two parts, like the Triton kernel:
 2. each head's last chunk, which holds its ``RD`` rope dims: copy to shared, de-rotate
    in fp32 into a second shared tile (bf16 store = the reference's rounding), ``T.gemm``.
 
+``build_one_loop`` (configs with ``one_loop=True``, tuner candidates) runs a single
+warp-specialized loop over every chunk instead: the rope chunk is de-rotated in place in
+its pipeline stage, and the tile is split between warpgroups by rows, so a 128 x 256 tile
+issues wgmma m64n256k16 with four 48 KiB stages (192 KiB of shared memory).
+
 The rope table is read as ``cs [M, RD]`` fp32 with cos/sin interleaved per pair
 (``view_as_real`` of the complex table, so the model's spelling needs no copy).
 M is ``T.dynamic``: one binary per config serves every token count. nvcc runs with
@@ -40,6 +45,11 @@ CANDIDATES: dict[str, list[dict]] = {
             (64, 32, 128, 4, 128), (64, 64, 128, 4, 128), (64, 128, 64, 4, 128), (64, 256, 64, 3, 128),
             (128, 64, 64, 4, 256), (128, 128, 64, 4, 256), (128, 128, 128, 3, 256), (128, 256, 64, 3, 256),
         ]
+    ]
+    + [  # one K loop, rope chunks de-rotated in place, row-split warpgroups (``build_one_loop``)
+        dict(BM=bm, BN=bn, BK=64, stages=s, threads=t, one_loop=True)
+        for bm, bn, s, t in [(64, 128, 4, 128), (64, 256, 4, 128), (128, 128, 4, 256), (128, 256, 3, 256),
+                             (128, 256, 4, 256)]
     ]
 }
 BATCH_INVARIANT_CONFIG = dict(BM=128, BN=128, BK=64, stages=4, threads=256)
@@ -152,6 +162,55 @@ def build(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN: int, BK:
     return wo_a_kernel
 
 
+def build_one_loop(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN: int, BK: int, stages: int,
+                   threads: int):
+    """Variant (config ``one_loop=True``): one warp-specialized K loop over every chunk; a head's rope
+    chunk is de-rotated in place in its pipeline stage before its gemm (cos/sin read from global),
+    and the warpgroups split the tile by rows (wgmma ``m64 x BN``)."""
+    import tilelang.language as T
+
+    bf16, f32 = T.bfloat16, T.float32
+    M = T.dynamic("M")
+    K, N = hpg * d, g * r
+    RD = rope_dim
+    chunks = d // BK
+    rope_from = BK - RD
+    cs_cols = max(RD, 2)
+    half = max(RD // 2, 1)
+
+    @T.prim_func
+    def wo_a_one_loop_kernel(
+        O: T.Tensor((M, g * K), bf16),
+        W: T.Tensor((N, K), bf16),
+        CS: T.Tensor((M, cs_cols), f32),
+        Z: T.Tensor((M, N), bf16),
+    ):
+        with T.Kernel(T.ceildiv(N, BN), T.ceildiv(M, BM), threads=threads) as (bx, by):
+            a_s = T.alloc_shared((BM, BK), bf16)
+            b_s = T.alloc_shared((BN, BK), bf16)
+            acc = T.alloc_fragment((BM, BN), f32)
+            col0 = (bx * BN // r) * K
+            T.clear(acc)
+            for t in T.Pipelined(hpg * chunks, num_stages=stages):
+                k0 = (t // chunks) * d + (t % chunks) * BK
+                T.copy(O[by * BM, col0 + k0], a_s)
+                T.copy(W[bx * BN, k0], b_s)
+                if RD > 0 and t % chunks == chunks - 1:
+                    for i, p in T.Parallel(BM, half):
+                        # pair (2p, 2p+1) of the tail: y0 = x0*c + x1*s, y1 = x1*c - x0*s
+                        live = by * BM + i < M
+                        c = T.if_then_else(live, CS[by * BM + i, 2 * p], 0.0)
+                        s = T.if_then_else(live, CS[by * BM + i, 2 * p + 1], 0.0)
+                        x0 = T.cast(a_s[i, rope_from + 2 * p], f32)
+                        x1 = T.cast(a_s[i, rope_from + 2 * p + 1], f32)
+                        a_s[i, rope_from + 2 * p] = T.cast(x0 * c + x1 * s, bf16)
+                        a_s[i, rope_from + 2 * p + 1] = T.cast(x1 * c - x0 * s, bf16)
+                T.gemm(a_s, b_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+            T.copy(acc, Z[by * BM, bx * BN])
+
+    return wo_a_one_loop_kernel
+
+
 _CACHE: dict[tuple, Any] = {}
 _LOCK = threading.Lock()
 
@@ -168,7 +227,7 @@ def compile_kernel(g: int, r: int, hpg: int, d: int, rope_dim: int, cfg: dict, t
 
         tgt = Target(target or TARGET)
         with tgt:
-            fn = build(g, r, hpg, d, rope_dim, **cfg)
+            fn = _builder(cfg)(g, r, hpg, d, rope_dim, **_tile_args(cfg))
             # no FMA contraction: the de-rotation rounds each product and sum like the reference
             kernel = tilelang.compile(fn, target=tgt, execution_backend="tvm_ffi", compile_flags=["--fmad=false"])
         _CACHE[key] = kernel
@@ -182,7 +241,15 @@ def lower_source(g: int, r: int, hpg: int, d: int, rope_dim: int, cfg: dict) -> 
 
     tgt = Target(TARGET)
     with tgt:
-        return tilelang.lower(build(g, r, hpg, d, rope_dim, **cfg), target=tgt).kernel_source
+        return tilelang.lower(_builder(cfg)(g, r, hpg, d, rope_dim, **_tile_args(cfg)), target=tgt).kernel_source
+
+
+def _builder(cfg: dict):
+    return build_one_loop if cfg.get("one_loop") else build
+
+
+def _tile_args(cfg: dict) -> dict:
+    return {k: v for k, v in cfg.items() if k != "one_loop"}
 
 
 def tactic_key(o: torch.Tensor, weight: torch.Tensor, rope_dim: int) -> tuple[str, dict]:
