@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 run checks and times, in one call:
 #   source .devsite/setup.sh && bash benchmarks/run_gpu.sh [stage ...]
-# Stages (default: all): env tests mhc rope_store wo_a guards. Each stage runs in its own
+# Stages (default: all): env tests mhc rope_store wo_a guards (and quick: benchmarks/quick_check.py). Each stage runs in its own
 # process with a time limit and the run goes on when one fails; logs and JSON land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/dsv41-out}
@@ -31,6 +31,7 @@ for s in $stages; do
     rope_store) run bench_rope_store 300 python3 benchmarks/bench_rope_store.py ;;
     wo_a) run bench_wo_a 300 python3 benchmarks/bench_wo_a.py ;;
     guards) run guards 300 python3 benchmarks/check_guards.py ;;
+    quick) run quick_check ${QUICK_LIMIT:-240} python3 benchmarks/quick_check.py ;;
     *) echo "unknown stage $s" ;;
   esac
 done
