@@ -224,7 +224,10 @@ def test_gpu_rounding_points_without_interpreter_rounding(monkeypatch):
     """The GPU code path (INTERP=False: no explicit RNE; here the interpreter then truncates at every
     bf16 conversion instead of rounding) must still reuse exactly the stored bf16 values: the boundary's
     collapse and norm see the new residual as written, and x as written."""
-    monkeypatch.setattr(tk, "INTERPRET", False)
+    from dsv41_passes.lowering.triton import mhc_projection
+
+    for module in (tk, mhc_projection):  # the launchers' flag (configs keep the interpreter's defaults)
+        monkeypatch.setattr(module, "INTERPRET", False)
     t = make_inputs(21, D, seed=12)
     new_res, x, *_ = boundary_op(t)  # (the bf16 dots are meaningless in this mode: stats are not compared)
     assert_equal(new_res, post_op(t), "new_res")

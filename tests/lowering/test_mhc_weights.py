@@ -141,6 +141,7 @@ def _pre_args(m=5, seed=0):
 def test_ops_refresh_or_reject_through_the_provider(monkeypatch):
     pytest.importorskip("triton")
     from dsv41_passes.lowering.triton import mhc as tk
+    from dsv41_passes.lowering.triton import mhc_projection as tkp
 
     h, pre_prev, fn, scale, base, w = _pre_args()
 
@@ -163,8 +164,8 @@ def test_ops_refresh_or_reject_through_the_provider(monkeypatch):
     mw.clear_cache()
     run(True)
     launches = []
-    real = tk._launch_proj
-    monkeypatch.setattr(tk, "_launch_proj", lambda *a, **k: launches.append(1) or real(*a, **k))
+    real = tkp._launch_proj
+    monkeypatch.setattr(tkp, "_launch_proj", lambda *a, **k: launches.append(1) or real(*a, **k))
     with torch.no_grad():
         fn.add_(1)
     with pytest.raises(RuntimeError, match=r"static_weights=True"):

@@ -1,0 +1,172 @@
+"""Configs and shared arithmetic of the Triton mHC kernels (``mhc`` and ``mhc_projection``).
+
+The numerics every kernel shares are stated in ``mhc``'s docstring.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..mhc_weights import NUM_SLICES, slice_geometry
+from ..mhc_weights import NP_DEFAULT as NP
+from .common import INTERPRET, rne_bf16
+
+HC = 4
+NMIX = (2 + HC) * HC  # 24 mix columns: pre[4], post[4], comb[4][4]
+
+_S = tl.constexpr(NUM_SLICES)
+_NMIX = tl.constexpr(NMIX)
+_NP = tl.constexpr(NP)
+
+# Every projection config keeps BLOCK_M >= 16 * num_warps: on Hopper each warpgroup then owns 64 rows
+# and the dots lower to the same wgmma m64n32k16 chain, so a row's bits do not depend on the config.
+# Defaults: the configs the H200 tuning run of 2026-11-29 picked at M = 65536, 4096 and 128 alike
+# (benchmarks/results/mhc-tune-NVIDIA_H200-2026-11-29.json).
+DEFAULTS: dict[str, dict] = {
+    "mhc_post": dict(BLOCK_R=1, BLOCK_D=1024, num_warps=8),
+    "mhc_collapse": dict(BLOCK_R=32, num_warps=4),
+    "mhc_stats": dict(BLOCK_M=64, num_warps=4, num_stages=3),
+    "mhc_pre": dict(BLOCK_M=64, num_warps=4, num_stages=3),
+    "mhc_boundary": dict(BLOCK_M=64, num_warps=4, num_stages=4),
+}
+# Under the CPU interpreter every program costs milliseconds: fewer, larger tiles. Every config computes
+# the same bits (see the module docstring), so this changes the speed of the tests, not their results.
+INTERPRETER_DEFAULTS: dict[str, dict] = {
+    "mhc_post": dict(BLOCK_R=64, BLOCK_D=1024, num_warps=4),
+    "mhc_collapse": dict(BLOCK_R=256, num_warps=4),
+    "mhc_stats": dict(BLOCK_M=512, num_warps=8, num_stages=1),
+    "mhc_pre": dict(BLOCK_M=512, num_warps=8, num_stages=1),
+    "mhc_boundary": dict(BLOCK_M=512, num_warps=8, num_stages=1),
+}
+
+
+# Compile options of every launch (see the module docstring: no FMA contraction).
+LAUNCH_OPTIONS = dict(enable_fp_fusion=False)
+
+
+def default_config(op: str) -> dict:
+    """The op's fixed, M-independent launch config (the only one batch-invariant mode uses)."""
+    return (INTERPRETER_DEFAULTS if INTERPRET else DEFAULTS)[op]
+
+
+_PROJ_CANDIDATES = [
+    dict(BLOCK_M=bm, num_warps=w, num_stages=st) for bm, w in ((64, 4), (128, 4), (128, 8)) for st in (2, 3, 4)
+]
+# 256 rows halve the L2 traffic of the weight parts per row; the boundary's extra tiles do not fit there
+_WIDE = [dict(BLOCK_M=256, num_warps=8, num_stages=st) for st in (2, 3)]
+# the four streams of a chunk as one dot operand: the sm_90 build issues 3 wgmma groups a chunk and
+# waits once (12 and 10 unstacked); the hi part's MMA chains grow from BK to 4 BK products
+_STACKED = [dict(c, STACK=True) for c in _PROJ_CANDIDATES + _WIDE]
+CANDIDATES: dict[str, list[dict]] = {
+    "mhc_post": [
+        dict(BLOCK_R=r, BLOCK_D=b, num_warps=w)
+        for r in (1, 2, 4)
+        for b in (512, 1024, 2048)
+        for w in (4, 8)
+        if r * b <= 4096
+    ],
+    "mhc_collapse": [dict(BLOCK_R=r, num_warps=w) for r in (16, 32, 64) for w in (4, 8)],
+    "mhc_stats": _PROJ_CANDIDATES + _WIDE + _STACKED,
+    "mhc_pre": _PROJ_CANDIDATES + _WIDE + _STACKED,
+    "mhc_boundary": _PROJ_CANDIDATES,
+}
+
+
+def unsupported(res: torch.Tensor) -> str | None:
+    """Why the kernels cannot take a residual ``[M, n, d]`` (None when they can)."""
+    if res.dtype != torch.bfloat16:
+        return f"residual dtype {res.dtype} (kernels are bf16)"
+    if res.dim() != 3 or res.shape[1] != HC:
+        return f"hc_mult {res.shape[1] if res.dim() == 3 else '?'} (kernels are written for {HC})"
+    d = res.shape[2]
+    if d % NUM_SLICES:
+        return f"hidden {d} is not a multiple of {NUM_SLICES}"
+    if res.device.type == "cuda" and slice_geometry(d)[1] < 16:
+        return f"hidden {d}: tensor-core chunks need hidden/16 divisible by 16"
+    if res.stride(2) != 1 or res.stride(1) != d:
+        return "residual streams are not contiguous (need strides [*, hidden, 1])"
+    return None
+
+
+def _norm_block(d: int, rows: int) -> int:
+    """Columns per step of the in-place normalisation: <= 4096 elements a tile (no spills)."""
+    return max(1, min(d & -d, 4096 // rows))
+
+
+# ----------------------------------------------------------------------------- shared arithmetic
+@triton.jit
+def _round_bf16(x, INTERP: tl.constexpr):
+    """fp32 -> (bf16 RNE value as bf16, the same value as fp32): for values that are stored AND reused.
+
+    ``rne_bf16`` alone is the identity on GPU (the store rounds), so a reused value must go through
+    an explicit bf16 conversion to be the rounded one on both platforms."""
+    b = rne_bf16(x, INTERP).to(tl.bfloat16)
+    return b, b.to(tl.float32)
+
+
+@triton.jit
+def _combine(yv, r0, r1, r2, r3, pk, c0k, c1k, c2k, c3k):
+    """post: ``pk * y + sum_j cjk * r_j`` (streams in order) in fp32."""
+    acc = c0k * r0
+    acc += c1k * r1
+    acc += c2k * r2
+    acc += c3k * r3
+    return pk * yv + acc
+
+
+@triton.jit
+def _collapse(h0, h1, h2, h3, p0, p1, p2, p3):
+    """collapse: ``sum_j p_j * h_j`` (streams in order) in fp32."""
+    acc = p0 * h0
+    acc += p1 * h1
+    acc += p2 * h2
+    acc += p3 * h3
+    return acc
+
+
+@triton.jit
+def _halve(t, R: tl.constexpr, W: tl.constexpr):
+    a, b = tl.split(tl.reshape(t, (R, W // 2, 2)))
+    return a + b
+
+
+@triton.jit
+def _row_sum(t, R: tl.constexpr, W: tl.constexpr):
+    """``[R, W] -> [R]``: pairwise tree over adjacent columns, independent of the register layout."""
+    if W >= 64:
+        t = _halve(t, R, 64)
+    if W >= 32:
+        t = _halve(t, R, 32)
+    if W >= 16:
+        t = _halve(t, R, 16)
+    if W >= 8:
+        t = _halve(t, R, 8)
+    if W >= 4:
+        t = _halve(t, R, 4)
+    if W >= 2:
+        t = _halve(t, R, 2)
+    return tl.reshape(t, (R,))
+
+
+@triton.jit
+def _softmax4(z, R: tl.constexpr):
+    e = tl.exp(z - tl.max(z, axis=1)[:, None])
+    return e / _row_sum(e, R, 4)[:, None]
+
+
+@triton.jit
+def _normalize_rows(x_ptr, w_ptr, rows, rmask, stride_x, sumsq, eps,
+                    D: tl.constexpr, XB: tl.constexpr, CACHE: tl.constexpr, INTERP: tl.constexpr):
+    """x <- bf16(w * (x * rsqrt(sumsq / D + eps))) in place (x was written by this launch; CACHE ".cg"
+    reads it from L2 when other programs wrote parts of it)."""
+    rstd = (1.0 / tl.sqrt_rn(sumsq / D + eps))[:, None]
+    for c in range(D // XB):
+        cols = c * XB + tl.arange(0, XB)
+        ptrs = x_ptr + rows[:, None] * stride_x + cols[None, :]
+        xv = tl.load(ptrs, mask=rmask[:, None], other=0.0, cache_modifier=CACHE).to(tl.float32)
+        wv = tl.load(w_ptr + cols).to(tl.float32)
+        out = rne_bf16(wv[None, :] * (xv * rstd), INTERP)
+        tl.store(ptrs, out.to(x_ptr.dtype.element_ty), mask=rmask[:, None])
+

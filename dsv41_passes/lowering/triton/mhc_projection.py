@@ -1,0 +1,331 @@
+"""The Triton mHC projection kernel: compensated BF16x3 stats, optionally with the collapse + norm
+(``mhc_pre``) or the preceding post (``mhc_boundary``), one read of the residual (numerics: ``mhc``)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...tuning import tactic
+from ..mhc_weights import NUM_SLICES, slice_geometry
+from ..mhc_weights import NP_DEFAULT as NP
+from .common import INTERPRET
+from .mhc_common import (
+    _NMIX,
+    _NP,
+    _S,
+    LAUNCH_OPTIONS,
+    NMIX,
+    _collapse,
+    _combine,
+    _norm_block,
+    _normalize_rows,
+    _round_bf16,
+    _row_sum,
+    _softmax4,
+    default_config,
+    unsupported,
+)
+
+# ----------------------------------------------------------------------------- stats / pre / boundary
+@triton.jit
+def _dot3(a, parts_ptr, krows, acc_hi, acc_mid, acc_lo, K: tl.constexpr, INTERP: tl.constexpr):
+    """acc_p += a @ part_p[krows, :] for the hi, mid and lo bf16 parts ([3, K, NP])."""
+    off = krows[:, None] * _NP + tl.arange(0, _NP)[None, :]
+    w_hi = tl.load(parts_ptr + off)
+    w_mid = tl.load(parts_ptr + K * _NP + off)
+    w_lo = tl.load(parts_ptr + 2 * K * _NP + off)
+    if INTERP:  # the interpreter multiplies bf16 raw bits; the fp32 products are exact anyway
+        acc_hi = tl.dot(a, w_hi.to(tl.float32), acc_hi, input_precision="ieee")
+        acc_mid = tl.dot(a, w_mid.to(tl.float32), acc_mid, input_precision="ieee")
+        acc_lo = tl.dot(a, w_lo.to(tl.float32), acc_lo, input_precision="ieee")
+    else:
+        # Hopper's in-MMA accumulation is not IEEE round-to-nearest: over a 1280-long chain its error
+        # reached ~1.3e-6 normwise. Only the hi part carries that weight: each of its dots starts
+        # from zero (``acc * 0``, a zero the compiler cannot fold) and is added in fp32 registers.
+        # The mid and lo parts are below 2^-8 and 2^-16 of it, so their chains accumulate in the MMA
+        # over the whole slice (error ~2^-8 smaller again; no fresh-accumulator adds, no waits).
+        z = acc_hi * 0.0
+        acc_hi += tl.dot(a, w_hi, z)
+        acc_mid = tl.dot(a, w_mid, acc_mid)
+        acc_lo = tl.dot(a, w_lo, acc_lo)
+    return acc_hi, acc_mid, acc_lo
+
+
+@triton.jit
+def _finish_stats(
+    ws_ptr, ss_ptr, slot0, rows, rmask, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, mix_ptr,
+    iters, hc_eps, norm_eps, K: tl.constexpr, BM: tl.constexpr, MIXES: tl.constexpr,
+):
+    """Ordered slice sum, rsqrt, pre/post, softmax + Sinkhorn for one row block (all rows' partials are in)."""
+    r = tl.arange(0, BM)
+    c4 = tl.arange(0, 4)
+    t_pre = tl.zeros((BM, 4), tl.float32)
+    t_post = tl.zeros((BM, 4), tl.float32)
+    t_c0 = tl.zeros((BM, 4), tl.float32)
+    t_c1 = tl.zeros((BM, 4), tl.float32)
+    t_c2 = tl.zeros((BM, 4), tl.float32)
+    t_c3 = tl.zeros((BM, 4), tl.float32)
+    ss = tl.zeros((BM,), tl.float32)
+    for s in range(_S):
+        p = ws_ptr + ((slot0 + s) * BM + r[:, None]) * _NMIX + c4[None, :]
+        t_pre += tl.load(p, cache_modifier=".cg")
+        t_post += tl.load(p + 4, cache_modifier=".cg")
+        t_c0 += tl.load(p + 8, cache_modifier=".cg")
+        t_c1 += tl.load(p + 12, cache_modifier=".cg")
+        t_c2 += tl.load(p + 16, cache_modifier=".cg")
+        t_c3 += tl.load(p + 20, cache_modifier=".cg")
+        ss += tl.load(ss_ptr + (slot0 + s) * BM + r, cache_modifier=".cg")
+    rstd = (1.0 / tl.sqrt_rn(ss / K + norm_eps))[:, None]
+    m_pre = t_pre * rstd
+    m_post = t_post * rstd
+    m_c0 = t_c0 * rstd
+    m_c1 = t_c1 * rstd
+    m_c2 = t_c2 * rstd
+    m_c3 = t_c3 * rstd
+    m2 = rmask[:, None]
+    o4 = rows[:, None] * 4 + c4[None, :]
+    if MIXES:  # pre-Sinkhorn mixes, for numerics tests
+        mo = rows[:, None] * _NMIX + c4[None, :]
+        tl.store(mix_ptr + mo, m_pre, mask=m2)
+        tl.store(mix_ptr + mo + 4, m_post, mask=m2)
+        tl.store(mix_ptr + mo + 8, m_c0, mask=m2)
+        tl.store(mix_ptr + mo + 12, m_c1, mask=m2)
+        tl.store(mix_ptr + mo + 16, m_c2, mask=m2)
+        tl.store(mix_ptr + mo + 20, m_c3, mask=m2)
+    sc0 = tl.load(scale_ptr)
+    sc1 = tl.load(scale_ptr + 1)
+    sc2 = tl.load(scale_ptr + 2)
+    b4 = base_ptr + c4[None, :]
+    pre = tl.sigmoid(m_pre * sc0 + tl.load(b4)) + hc_eps
+    post = 2.0 * tl.sigmoid(m_post * sc1 + tl.load(b4 + 4))
+    c0 = _softmax4(m_c0 * sc2 + tl.load(b4 + 8), BM) + hc_eps
+    c1 = _softmax4(m_c1 * sc2 + tl.load(b4 + 12), BM) + hc_eps
+    c2 = _softmax4(m_c2 * sc2 + tl.load(b4 + 16), BM) + hc_eps
+    c3 = _softmax4(m_c3 * sc2 + tl.load(b4 + 20), BM) + hc_eps
+    col = ((c0 + c1) + (c2 + c3)) + hc_eps
+    c0, c1, c2, c3 = c0 / col, c1 / col, c2 / col, c3 / col
+    for _ in range(iters - 1):
+        c0 = c0 / (_row_sum(c0, BM, 4)[:, None] + hc_eps)
+        c1 = c1 / (_row_sum(c1, BM, 4)[:, None] + hc_eps)
+        c2 = c2 / (_row_sum(c2, BM, 4)[:, None] + hc_eps)
+        c3 = c3 / (_row_sum(c3, BM, 4)[:, None] + hc_eps)
+        col = ((c0 + c1) + (c2 + c3)) + hc_eps
+        c0, c1, c2, c3 = c0 / col, c1 / col, c2 / col, c3 / col
+    tl.store(pre_ptr + o4, pre, mask=m2)
+    tl.store(post_ptr + o4, post, mask=m2)
+    o16 = rows[:, None] * 16 + c4[None, :]
+    tl.store(comb_ptr + o16, c0, mask=m2)
+    tl.store(comb_ptr + o16 + 4, c1, mask=m2)
+    tl.store(comb_ptr + o16 + 8, c2, mask=m2)
+    tl.store(comb_ptr + o16 + 12, c3, mask=m2)
+
+
+@triton.jit(do_not_specialize=["M", "iters"])
+def _proj_kernel(
+    h_ptr, y_ptr, post_in_ptr, comb_in_ptr, new_ptr,
+    pre_prev_ptr, x_ptr, w_ptr,
+    parts_ptr, scale_ptr, base_ptr,
+    pre_ptr, post_ptr, comb_ptr, mix_ptr,
+    ws_ptr, ss_ptr, xss_ptr, count_ptr,
+    M, stride_h, stride_y, stride_n, stride_x,
+    iters, hc_eps, norm_eps, eps,
+    D: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, XB: tl.constexpr,
+    BOUNDARY: tl.constexpr, COLLAPSE: tl.constexpr, NORM: tl.constexpr, MIXES: tl.constexpr,
+    STACK: tl.constexpr, INTERP: tl.constexpr,
+):
+    """One (row block, K slice) per program; the last slice program of a row block to finish reduces it.
+
+    BOUNDARY: h is ``post(y, res, post_in, comb_in)``, computed here and written once to new_ptr.
+    COLLAPSE: also ``x = bf16(sum_j pre_prev_j h_j)`` (NORM: then RMSNorm of x, finished in place).
+    STACK (not with BOUNDARY): the projection takes a chunk's four streams as one K = 4 BK operand,
+    so the hi part's MMA chains are 4 BK long instead of BK; everything else is bit-identical.
+    """
+    DS: tl.constexpr = D // _S
+    K: tl.constexpr = 4 * D
+    pid = tl.program_id(0).to(tl.int64)
+    rb = pid // _S
+    s = pid % _S
+    r = tl.arange(0, BM)
+    rows = rb * BM + r
+    rmask = rows < M
+    m2 = rmask[:, None]
+    rr = rows[:, None]
+    acc_hi = tl.zeros((BM, _NP), tl.float32)
+    acc_mid = tl.zeros((BM, _NP), tl.float32)
+    acc_lo = tl.zeros((BM, _NP), tl.float32)
+    ssq = tl.zeros((BM, BK), tl.float32)
+    xsq = tl.zeros((BM, BK), tl.float32)
+    if STACK and COLLAPSE:
+        p0 = tl.load(pre_prev_ptr + rows * 4, mask=rmask, other=0.0)[:, None]
+        p1 = tl.load(pre_prev_ptr + rows * 4 + 1, mask=rmask, other=0.0)[:, None]
+        p2 = tl.load(pre_prev_ptr + rows * 4 + 2, mask=rmask, other=0.0)[:, None]
+        p3 = tl.load(pre_prev_ptr + rows * 4 + 3, mask=rmask, other=0.0)[:, None]
+    for c in range(DS // BK):
+        cols = s * DS + c * BK + tl.arange(0, BK)
+        hb = h_ptr + rr * stride_h + cols[None, :]
+        if STACK:
+            # the chunk's four streams as one [BM, 4 BK] operand: three dots a chunk, not twelve
+            j = tl.arange(0, 4 * BK)
+            kcol = (j // BK) * D + s * DS + c * BK + j % BK
+            a = tl.load(h_ptr + rr * stride_h + kcol[None, :], mask=m2, other=0.0)
+            hf = a.to(tl.float32)
+            if INTERP:
+                a = hf
+            acc_hi, acc_mid, acc_lo = _dot3(a, parts_ptr, kcol, acc_hi, acc_mid, acc_lo, K, INTERP)
+            # streams back out of the stacked tile: [BM, BK, 2, 2] with stream = 2 * a + b
+            e, o = tl.split(tl.permute(tl.reshape(hf, (BM, 2, 2, BK)), (0, 3, 1, 2)))
+            h0, h2 = tl.split(e)
+            h1, h3 = tl.split(o)
+            ssq = tl.fma(h0, h0, ssq)
+            ssq = tl.fma(h1, h1, ssq)
+            ssq = tl.fma(h2, h2, ssq)
+            ssq = tl.fma(h3, h3, ssq)
+            if COLLAPSE:
+                xc = _collapse(h0, h1, h2, h3, p0, p1, p2, p3)
+        if BOUNDARY:
+            yv = tl.load(y_ptr + rr * stride_y + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+            r0 = tl.load(hb, mask=m2, other=0.0).to(tl.float32)
+            r1 = tl.load(hb + D, mask=m2, other=0.0).to(tl.float32)
+            r2 = tl.load(hb + 2 * D, mask=m2, other=0.0).to(tl.float32)
+            r3 = tl.load(hb + 3 * D, mask=m2, other=0.0).to(tl.float32)
+        for k in tl.static_range(0 if STACK else 4):
+            if BOUNDARY:  # stream k of the new residual: written once, then used from registers
+                cb = comb_in_ptr + rows * 16 + k
+                ak, hk = _round_bf16(_combine(
+                    yv, r0, r1, r2, r3,
+                    tl.load(post_in_ptr + rows * 4 + k, mask=rmask, other=0.0)[:, None],
+                    tl.load(cb, mask=rmask, other=0.0)[:, None],
+                    tl.load(cb + 4, mask=rmask, other=0.0)[:, None],
+                    tl.load(cb + 8, mask=rmask, other=0.0)[:, None],
+                    tl.load(cb + 12, mask=rmask, other=0.0)[:, None],
+                ), INTERP)
+                tl.store(new_ptr + rr * stride_n + k * D + cols[None, :], ak, mask=m2)
+            else:
+                ak = tl.load(hb + k * D, mask=m2, other=0.0)
+                hk = ak.to(tl.float32)
+            if INTERP:
+                ak = hk
+            acc_hi, acc_mid, acc_lo = _dot3(ak, parts_ptr, k * D + cols, acc_hi, acc_mid, acc_lo, K, INTERP)
+            ssq = tl.fma(hk, hk, ssq)
+            if COLLAPSE:
+                pk = tl.load(pre_prev_ptr + rows * 4 + k, mask=rmask, other=0.0)[:, None]
+                if k == 0:
+                    xc = pk * hk
+                else:
+                    xc += pk * hk
+        if COLLAPSE:
+            xb, xc = _round_bf16(xc, INTERP)
+            tl.store(x_ptr + rr * stride_x + cols[None, :], xb, mask=m2)
+            xsq = tl.fma(xc, xc, xsq)
+    # this slice's partials -> workspace slot pid ([BM, NMIX] mixes, [BM] sums of squares)
+    n = tl.arange(0, _NP)
+    tl.store(ws_ptr + (pid * BM + r[:, None]) * _NMIX + n[None, :], (acc_hi + acc_mid) + acc_lo,
+             mask=n[None, :] < _NMIX)
+    tl.store(ss_ptr + pid * BM + r, _row_sum(ssq, BM, BK))
+    if NORM:
+        tl.store(xss_ptr + pid * BM + r, _row_sum(xsq, BM, BK))
+    # the 16th slice program of this row block to get here reduces it (all 16 partials are then visible)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr + rb, 1, sem="acq_rel", scope="gpu")
+    if arrived == _S - 1:
+        slot0 = rb * _S
+        _finish_stats(ws_ptr, ss_ptr, slot0, rows, rmask, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
+                      mix_ptr, iters, hc_eps, norm_eps, K, BM, MIXES)
+        if NORM:
+            xs = tl.zeros((BM,), tl.float32)
+            for s2 in range(_S):
+                xs += tl.load(xss_ptr + (slot0 + s2) * BM + r, cache_modifier=".cg")
+            _normalize_rows(x_ptr, w_ptr, rows, rmask, stride_x, xs, eps, D, XB, ".cg", INTERP)
+
+
+def _launch_proj(
+    op: str, h, parts, scale, base, iters, hc_eps, norm_eps, *, batch_invariant: bool, config: dict | None,
+    y=None, post_in=None, comb_in=None, pre_prev=None, weight=None, eps: float = 0.0, mixes: bool = False,
+):
+    """Run the fused projection kernel; returns a dict of the outputs it wrote."""
+    why = unsupported(h)
+    if why:
+        raise ValueError(f"Triton {op}: {why}")
+    m, n, d = h.shape
+    if tuple(parts.shape) != (3, n * d, NP) or parts.dtype != torch.bfloat16:
+        raise ValueError(f"Triton {op}: parts must be bf16 [3, {n * d}, {NP}], got {parts.dtype} {tuple(parts.shape)}")
+    dev = h.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    out = {
+        "pre": torch.empty((m, n), **f32),
+        "post": torch.empty((m, n), **f32),
+        "comb": torch.empty((m, n, n), **f32),
+    }
+    boundary, collapse = y is not None, pre_prev is not None
+    if boundary:
+        out["new_res"] = torch.empty((m, n, d), dtype=h.dtype, device=dev)
+    if collapse:
+        out["x"] = torch.empty((m, d), dtype=h.dtype, device=dev)
+    if mixes:
+        out["mixes"] = torch.empty((m, NMIX), **f32)
+    if m == 0:
+        return out
+    cfg = config or tactic(op, m, dict(d=d, n=n), default_config(op), batch_invariant=batch_invariant)
+    bm = cfg["BLOCK_M"]
+    nblocks = triton.cdiv(m, bm)
+    ws = torch.empty(nblocks * NUM_SLICES * bm * NMIX, **f32)
+    ss = torch.empty(nblocks * NUM_SLICES * bm, **f32)
+    norm = collapse and weight is not None
+    xss = torch.empty_like(ss) if norm else ss
+    count = torch.zeros(nblocks, dtype=torch.int32, device=dev)
+    _, bk = slice_geometry(d)
+    stack = bool(cfg.get("STACK", False))
+    if stack and boundary:
+        raise ValueError(f"Triton {op}: STACK configs are for the projection of a stored residual, not the boundary")
+    dummy = out["pre"]
+    new_res = out.get("new_res", dummy)
+    x = out.get("x", dummy)
+    _proj_kernel[(nblocks * NUM_SLICES,)](
+        h, y if boundary else dummy, post_in.contiguous() if boundary else dummy,
+        comb_in.contiguous() if boundary else dummy, new_res,
+        pre_prev.contiguous() if collapse else dummy, x, weight.contiguous() if norm else dummy,
+        parts, scale.contiguous(), base.contiguous(),
+        out["pre"], out["post"], out["comb"], out.get("mixes", dummy),
+        ws, ss, xss, count,
+        m, h.stride(0), y.stride(0) if boundary else 0, new_res.stride(0) if boundary else 0,
+        x.stride(0) if collapse else 0,
+        int(iters), float(hc_eps), float(norm_eps), float(eps),
+        D=d, BK=bk, BM=bm, XB=_norm_block(d, bm), BOUNDARY=boundary, COLLAPSE=collapse, NORM=norm, MIXES=mixes,
+        STACK=stack, INTERP=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
+        **LAUNCH_OPTIONS,
+    )
+    return out
+
+
+def mhc_stats(h, parts, scale, base, iters, hc_eps, norm_eps, *, batch_invariant: bool, config: dict | None = None):
+    o = _launch_proj("mhc_stats", h, parts, scale, base, iters, hc_eps, norm_eps,
+                     batch_invariant=batch_invariant, config=config)
+    return o["pre"], o["post"], o["comb"]
+
+
+def stats_mixes(h, parts, scale, base, iters, hc_eps, norm_eps, *, batch_invariant: bool = True,
+                config: dict | None = None) -> torch.Tensor:
+    """The pre-Sinkhorn mixes ``[M, 24]`` (projection * rsqrt) exactly as ``mhc_stats`` computes them."""
+    o = _launch_proj("mhc_stats", h, parts, scale, base, iters, hc_eps, norm_eps,
+                     batch_invariant=batch_invariant, config=config, mixes=True)
+    return o["mixes"]
+
+
+def mhc_pre(h, pre_prev, parts, scale, base, weight, iters, hc_eps, norm_eps, eps, *, batch_invariant: bool,
+            config: dict | None = None):
+    o = _launch_proj("mhc_pre", h, parts, scale, base, iters, hc_eps, norm_eps, batch_invariant=batch_invariant,
+                     config=config, pre_prev=pre_prev, weight=weight, eps=eps)
+    return o["x"], o["pre"], o["post"], o["comb"]
+
+
+def mhc_boundary(y, res, post, comb, pre_prev, parts, scale, base, weight, iters, hc_eps, norm_eps, eps, *,
+                 batch_invariant: bool, config: dict | None = None):
+    if y.stride(-1) != 1:
+        raise ValueError("Triton mhc_boundary: y must be contiguous along hidden")
+    o = _launch_proj("mhc_boundary", res, parts, scale, base, iters, hc_eps, norm_eps,
+                     batch_invariant=batch_invariant, config=config, y=y, post_in=post, comb_in=comb,
+                     pre_prev=pre_prev, weight=weight, eps=eps)
+    return o["new_res"], o["x"], o["pre"], o["post"], o["comb"]
+
