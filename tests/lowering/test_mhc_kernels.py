@@ -537,6 +537,13 @@ def test_gpu_tilelang_stats_numerics(m):
     t = make_inputs(m, FLASH_D, seed=m, device="cuda")
     pre, post, comb = tlk.mhc_stats(t["h"], build_parts(t["fn"]), t["scale"], t["base"], ITERS, HC_EPS, NORM_EPS,
                                     batch_invariant=True)
+    # the compensated projection itself (slices summed in order), before the rsqrt scaling
+    ws, _ = tlk.partials(t["h"], build_parts(t["fn"]), tlk.DEFAULTS["mhc_stats"])
+    proj = ws[0].clone()
+    for s in range(1, ws.shape[0]):
+        proj += ws[s]
+    proj64 = _chunked(lambda s: t["h"][s].flatten(1).double() @ t["fn"].double().t(), m)
+    assert normwise(proj[:, : proj64.shape[1]], proj64) <= 1e-6
     m64 = _chunked(lambda s: mixes64(t["h"][s], t["fn"]), m)
     for out, r in zip((pre, post, comb), split64(m64, t["scale"], t["base"])):
         torch.testing.assert_close(out.double(), r, rtol=2e-5, atol=2e-6)

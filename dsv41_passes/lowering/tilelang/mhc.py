@@ -6,7 +6,8 @@ Two launches, both with the token count as ``T.dynamic("M")`` (one binary per co
    columns ``[s * D/16, (s + 1) * D/16)``, walked in chunks of BK columns with
    streams 0..3 inside a chunk (the Triton kernels' partition). Per step one
    ``[BM, BK]`` activation tile in shared memory feeds three ``T.gemm`` (hi, mid,
-   lo bf16 weight parts) into separate fp32 fragments and the row sums of squares;
+   lo bf16 weight parts) into separate fp32 fragments (hi from a fresh accumulator
+   each step, added in registers) and the row sums of squares;
    the slice partial ``(hi + mid) + lo`` goes to ``[16, M, 32]`` and the sums of
    squares to ``[16, M]``.
 2. ``finish``: ordered slice sum (0..15), ``rsqrt(sumsq / K + eps)``, pre/post
@@ -83,6 +84,7 @@ def build_partial(d: int, block_m: int, threads: int, num_stages: int):
             mid_s = T.alloc_shared((bk, NP), bf16)
             lo_s = T.alloc_shared((bk, NP), bf16)
             acc_hi = T.alloc_fragment((block_m, NP), f32)
+            step_hi = T.alloc_fragment((block_m, NP), f32)
             acc_mid = T.alloc_fragment((block_m, NP), f32)
             acc_lo = T.alloc_fragment((block_m, NP), f32)
             sq = T.alloc_fragment((block_m, bk), f32)
@@ -98,7 +100,12 @@ def build_partial(d: int, block_m: int, threads: int, num_stages: int):
                 T.copy(parts[0, k0, 0], hi_s)
                 T.copy(parts[1, k0, 0], mid_s)
                 T.copy(parts[2, k0, 0], lo_s)
-                T.gemm(a_s, hi_s, acc_hi)
+                # hi: a fresh MMA chain per step, added in fp32 registers (Hopper's in-MMA accumulation
+                # is not round-to-nearest; over a slice's 1280 products it reached ~1.3e-6 normwise);
+                # mid and lo are below 2^-8 and 2^-16 of it and accumulate in the MMA
+                T.gemm(a_s, hi_s, step_hi, clear_accum=True)
+                for i, n in T.Parallel(block_m, NP):
+                    acc_hi[i, n] += step_hi[i, n]
                 T.gemm(a_s, mid_s, acc_mid)
                 T.gemm(a_s, lo_s, acc_lo)
                 for i, c in T.Parallel(block_m, bk):
@@ -228,10 +235,18 @@ def mhc_stats(h, parts, scale, base, iters, hc_eps, norm_eps, *, batch_invariant
         return pre, post, comb
     cfg = config or tactic("mhc_stats.tilelang", m, dict(d=d, n=n), DEFAULTS["mhc_stats"],
                            batch_invariant=batch_invariant)
-    ws = torch.empty((NUM_SLICES, m, NP), **f32)
-    ss = torch.empty((NUM_SLICES, m), **f32)
-    _kernel("partial", d, cfg["BLOCK_M"], cfg["threads"], cfg["num_stages"])(h.view(m, n * d), parts, ws, ss)
+    ws, ss = partials(h, parts, cfg)
     _kernel("finish", d, cfg["FINISH_ROWS"], int(iters), float(hc_eps), float(norm_eps))(
         ws, ss, scale.contiguous(), base.contiguous(), pre, post, comb
     )
     return pre, post, comb
+
+
+def partials(h: torch.Tensor, parts: torch.Tensor, cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first launch alone: per-slice projection partials ``[16, M, 32]`` and sums of squares ``[16, M]``."""
+    m, n, d = h.shape
+    f32 = dict(dtype=torch.float32, device=h.device)
+    ws = torch.empty((NUM_SLICES, m, NP), **f32)
+    ss = torch.empty((NUM_SLICES, m), **f32)
+    _kernel("partial", d, cfg["BLOCK_M"], cfg["threads"], cfg["num_stages"])(h.view(m, n * d), parts, ws, ss)
+    return ws, ss
