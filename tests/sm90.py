@@ -17,8 +17,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-_SCRIPT = """
-import importlib, json, sys
+_SCRIPT = r"""
+import importlib, json, os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -34,14 +34,23 @@ for b in spec["builds"]:
              if a in b["aligned"] or (a in types and types[a].startswith("*"))}
     c = triton.compile(ASTSource(kernel, sig, consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options=b["options"])
-    out.append(dict(ptx=c.asm["ptx"], shared=c.metadata.shared))
+    usage = {}
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if os.path.exists(tool):  # registers and spill stack per thread, from the cubin
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(c.asm["cubin"])
+            f.flush()
+            text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        usage = {k: int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", text)}
+    out.append(dict(ptx=c.asm["ptx"], shared=c.metadata.shared, usage=usage))
 print(json.dumps(out))
 """
 
 
 def build_sm90(builds: list[dict]) -> list[dict]:
     """``builds``: dicts with module, kernel, types (arg -> ``*bf16``/``fp32``/...; others i32),
-    aligned (int args divisible by 16), constexprs, options. Returns ``[{ptx, shared}]``."""
+    aligned (int args divisible by 16), constexprs, options. Returns ``[{ptx, shared, usage}]``, usage
+    the cubin's per-thread ``REG``/``STACK`` (spill) counts from Triton's bundled cuobjdump."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(_SCRIPT)], input=json.dumps(dict(builds=builds)),

@@ -170,14 +170,15 @@ def _proj_kernel(
             j = tl.arange(0, 4 * BK)
             kcol = (j // BK) * D + s * DS + c * BK + j % BK
             a = tl.load(h_ptr + rr * stride_h + kcol[None, :], mask=m2, other=0.0)
-            hf = a.to(tl.float32)
             if INTERP:
-                a = hf
+                a = a.to(tl.float32)
             acc_hi, acc_mid, acc_lo = _dot3(a, parts_ptr, kcol, acc_hi, acc_mid, acc_lo, K, INTERP)
-            # streams back out of the stacked tile: [BM, BK, 2, 2] with stream = 2 * a + b
-            e, o = tl.split(tl.permute(tl.reshape(hf, (BM, 2, 2, BK)), (0, 3, 1, 2)))
+            # streams back out of the stacked tile (still bf16: half the registers): [BM, BK, 2, 2]
+            # with stream = 2 * a + b
+            e, o = tl.split(tl.permute(tl.reshape(a, (BM, 2, 2, BK)), (0, 3, 1, 2)))
             h0, h2 = tl.split(e)
             h1, h3 = tl.split(o)
+            h0, h1, h2, h3 = h0.to(tl.float32), h1.to(tl.float32), h2.to(tl.float32), h3.to(tl.float32)
             ssq = tl.fma(h0, h0, ssq)
             ssq = tl.fma(h1, h1, ssq)
             ssq = tl.fma(h2, h2, ssq)
