@@ -75,9 +75,9 @@ def mhc(m: int) -> None:
     exact = h[rows].flatten(1).double() @ fn.double().t()
     exact = exact * torch.rsqrt(h[rows].double().flatten(1).square().mean(-1, keepdim=True) + 1e-6)
     configs = {"default": None}
-    for bm in (64, 128, 256):
-        configs[f"stacked BLOCK_M {bm}"] = next(c for c in tk.CANDIDATES["mhc_pre"]
-                                                if c.get("STACK") and c["BLOCK_M"] == bm)
+    for bm, n in ((64, 2), (64, 4), (128, 2), (128, 4), (256, 4)):
+        configs[f"{n} streams a dot, BLOCK_M {bm}"] = next(c for c in tk.CANDIDATES["mhc_pre"]
+                                                          if c.get("STACK") == n and c["BLOCK_M"] == bm)
     base_x = None
     for name, cfg in configs.items():
         mixes = tk.stats_mixes(h, parts, scale, base, 20, 1e-6, 1e-6, config=cfg)[rows].double()

@@ -56,9 +56,13 @@ _PROJ_CANDIDATES = [
 ]
 # 256 rows halve the L2 traffic of the weight parts per row; the boundary's extra tiles do not fit there
 _WIDE = [dict(BLOCK_M=256, num_warps=8, num_stages=st) for st in (2, 3)]
-# the four streams of a chunk as one dot operand: the sm_90 build issues 3 wgmma groups a chunk and
-# waits once (12 and 10 unstacked); the hi part's MMA chains grow from BK to 4 BK products
-_STACKED = [dict(c, STACK=True) for c in _PROJ_CANDIDATES + _WIDE]
+# 2 or 4 streams of a chunk as one dot operand: the sm_90 build issues 6 or 3 wgmma groups a chunk
+# (12 unstacked); the hi part's MMA chains grow from BK to 2 or 4 BK products
+_STACKED = [
+    dict(BLOCK_M=bm, num_warps=w, num_stages=st, STACK=n)
+    for bm, w, st in ((64, 4, 3), (128, 8, 3), (256, 8, 2))
+    for n in (2, 4)
+]
 CANDIDATES: dict[str, list[dict]] = {
     "mhc_post": [
         dict(BLOCK_R=r, BLOCK_D=b, num_warps=w)

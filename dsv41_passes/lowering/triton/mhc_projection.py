@@ -139,8 +139,9 @@ def _proj_kernel(
 
     BOUNDARY: h is ``post(y, res, post_in, comb_in)``, computed here and written once to new_ptr.
     COLLAPSE: also ``x = bf16(sum_j pre_prev_j h_j)`` (NORM: then RMSNorm of x, finished in place).
-    STACK (not with BOUNDARY): the projection takes a chunk's four streams as one K = 4 BK operand,
-    so the hi part's MMA chains are 4 BK long instead of BK; everything else is bit-identical.
+    STACK (0, 2 or 4; not with BOUNDARY): the projection takes STACK streams of a chunk as one
+    K = STACK * BK operand, so the hi part's MMA chains are that long instead of BK; everything
+    else is bit-identical.
     """
     DS: tl.constexpr = D // _S
     K: tl.constexpr = 4 * D
@@ -165,7 +166,27 @@ def _proj_kernel(
     for c in range(DS // BK):
         cols = s * DS + c * BK + tl.arange(0, BK)
         hb = h_ptr + rr * stride_h + cols[None, :]
-        if STACK:
+        if STACK == 2:
+            # the chunk's streams in two [BM, 2 BK] operands: six dots a chunk, not twelve
+            for q in tl.static_range(2):
+                j = tl.arange(0, 2 * BK)
+                kcol = (2 * q + j // BK) * D + s * DS + c * BK + j % BK
+                a = tl.load(h_ptr + rr * stride_h + kcol[None, :], mask=m2, other=0.0)
+                if INTERP:
+                    a = a.to(tl.float32)
+                acc_hi, acc_mid, acc_lo = _dot3(a, parts_ptr, kcol, acc_hi, acc_mid, acc_lo, K, INTERP)
+                ha, hz = tl.split(tl.permute(tl.reshape(a, (BM, 2, BK)), (0, 2, 1)))  # streams 2q, 2q + 1
+                ha, hz = ha.to(tl.float32), hz.to(tl.float32)
+                ssq = tl.fma(ha, ha, ssq)
+                ssq = tl.fma(hz, hz, ssq)
+                if COLLAPSE:  # the order of _collapse: ((p0 h0 + p1 h1) + p2 h2) + p3 h3
+                    if q == 0:
+                        xc = p0 * ha
+                        xc += p1 * hz
+                    else:
+                        xc += p2 * ha
+                        xc += p3 * hz
+        if STACK == 4:
             # the chunk's four streams as one [BM, 4 BK] operand: three dots a chunk, not twelve
             j = tl.arange(0, 4 * BK)
             kcol = (j // BK) * D + s * DS + c * BK + j % BK
@@ -277,7 +298,9 @@ def _launch_proj(
     xss = torch.empty_like(ss) if norm else ss
     count = torch.zeros(nblocks, dtype=torch.int32, device=dev)
     _, bk = slice_geometry(d)
-    stack = bool(cfg.get("STACK", False))
+    stack = int(cfg.get("STACK", 0))
+    if stack not in (0, 2, 4):
+        raise ValueError(f"Triton {op}: STACK must be 0, 2 or 4 streams per dot, got {cfg['STACK']!r}")
     if stack and boundary:
         raise ValueError(f"Triton {op}: STACK configs are for the projection of a stored residual, not the boundary")
     dummy = out["pre"]
