@@ -54,3 +54,21 @@ def test_tiny_model_fuses_every_wo_a_site():
     for b, out in zip(batches, outs):
         ref = eager(model, *b)
         torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1.6e-2 * ref.abs().max().item())
+
+
+@pytest.mark.slow
+def test_decode_graph_rewrites_every_family():
+    """M = 1 (a single sequence's decode step) gets its own static graph, whose decompositions lay out
+    size-1 dims differently: every family is still rewritten there, the attention tail included."""
+    model = tiny_model()
+    n = model.config.num_hidden_layers
+    f = dp.compile(model, dp.PassConfig(), options={**EMULATE, "fx_graph_cache": False})
+    args = packed([1], seed=3)
+    out = f(*args)
+    rep = dp.last_report()
+    want = {"mhc_post": 2 * n, "mhc_stats": 2 * n, "mhc_collapse": 2 * n + 1, "q_rope_store": n,
+            "kv_rope_store": n, "wo_a": n}
+    assert rep.sites == want, rep.to_markdown()
+    assert not [w for w in rep.warnings if "rewrote no site" in w], rep.warnings
+    ref = eager(model, *args)
+    torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1.6e-2 * ref.abs().max().item())

@@ -113,6 +113,10 @@ class Spelling:
     search: Callable[..., Any]
     example_inputs: Callable[[], list[Any]]  # called inside a FakeTensorMode
     scalars: dict[str, float | int] = field(default_factory=dict)  # matched-literal arguments (sentinels)
+    # None: traced at M_EX, matches any token count. An int: traced at that M and only tried on graphs
+    # whose first input has exactly that many rows (the decode graph at M = 1, whose decompositions
+    # place size-1 dims differently, e.g. einsum's permutes).
+    tokens: int | None = None
 
 
 @dataclass
@@ -432,6 +436,10 @@ def _extra_check(pat: FusionPattern, sp: Spelling, ref_gm: fx.GraphModule) -> Ca
     def check(match: Match) -> bool:
         ctx = current_context()
         anchor = match.output_nodes()[0]
+        if sp.tokens is not None:  # silently not this spelling's graph: no near-miss to report
+            first = bound_values(match).get(argnames[0])
+            if not (isinstance(first, torch.Tensor) and _is_int(first.shape[0]) and first.shape[0] == sp.tokens):
+                return False
         why = _Verifier(ref_gm, argnames, match, sp.scalars).run(match.output_nodes())
         if why is None:
             why = pat.check(bound_values(match))

@@ -18,6 +18,8 @@ one head per group (``G == H``: the grouped view is a no-op that Inductor remove
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import lowering  # noqa: F401  (registers torch.ops.dsv41.*)
@@ -114,36 +116,42 @@ SPELLINGS = {
 
 
 # ------------------------------------------------------------------ example inputs
-def _o():
-    return torch.empty(M_EX, H_EX, D_EX, dtype=BF16)
+def _o(m):
+    return torch.empty(m, H_EX, D_EX, dtype=BF16)
 
 
 def _w():
     return torch.empty(G_EX * R_EX, K_EX, dtype=BF16)
 
 
-def _complex_inputs():
-    return [_o(), torch.empty(M_EX, RD_EX // 2, dtype=C64), _w(), GROUPS_SENTINEL, ROPE_START_SENTINEL]
+def _complex_inputs(m=M_EX):
+    return [_o(m), torch.empty(m, RD_EX // 2, dtype=C64), _w(), GROUPS_SENTINEL, ROPE_START_SENTINEL]
 
 
-def _real_inputs():
-    return [_o(), torch.empty(M_EX, RD_EX // 2, dtype=F32), torch.empty(M_EX, RD_EX // 2, dtype=F32), _w(),
+def _real_inputs(m=M_EX):
+    return [_o(m), torch.empty(m, RD_EX // 2, dtype=F32), torch.empty(m, RD_EX // 2, dtype=F32), _w(),
             GROUPS_SENTINEL, ROPE_START_SENTINEL]
 
 
-def _plain_inputs():
-    return [_o(), _w(), GROUPS_SENTINEL]
+def _plain_inputs(m=M_EX):
+    return [_o(m), _w(), GROUPS_SENTINEL]
 
 
 _ROPE_SCALARS = {"groups": GROUPS_SENTINEL, "rope_start": ROPE_START_SENTINEL}
+# The decode graph (M = 1, specialised by Dynamo) decomposes every projection spelling with its
+# size-1 dims permuted differently: each spelling is also traced at M = 1, for that graph only.
+DECODE_M = 1
 
 
-def _spelling(name: str) -> Spelling:
-    if name.startswith("complex_rope"):
-        return Spelling(name, SPELLINGS[name], _complex_inputs, scalars=dict(_ROPE_SCALARS))
-    if name.startswith("real_rope"):
-        return Spelling(name, SPELLINGS[name], _real_inputs, scalars=dict(_ROPE_SCALARS))
-    return Spelling(name, SPELLINGS[name], _plain_inputs, scalars={"groups": GROUPS_SENTINEL})
+def _spelling(name: str, m: int | None = None) -> Spelling:
+    tag = "" if m is None else f"@M{m}"
+    inputs, scalars = {
+        "complex": (_complex_inputs, _ROPE_SCALARS),
+        "real": (_real_inputs, _ROPE_SCALARS),
+        "no": (_plain_inputs, {"groups": GROUPS_SENTINEL}),
+    }[name.split("_rope_")[0]]
+    factory = inputs if m is None else functools.partial(inputs, m)
+    return Spelling(name + tag, SPELLINGS[name], factory, scalars=dict(scalars), tokens=m)
 
 
 # ------------------------------------------------------------------ domain check
@@ -223,7 +231,7 @@ def patterns() -> list[FusionPattern]:
             kind="wo_a",
             family="wo_a",
             op="wo_a",
-            spellings=[_spelling(name) for name in SPELLINGS],
+            spellings=[sp for name in SPELLINGS for sp in (_spelling(name), _spelling(name, DECODE_M))],
             replace=_replace,
             check=_check,
             provider_args=_provider_args,

@@ -61,10 +61,11 @@ def _close(out, ref):
     torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=1e-3 * ref.float().abs().mean().item())
 
 
+@pytest.mark.parametrize("m", [9, 1], ids=["M9", "M1"])  # M = 1 (decode) gets its own, static graph
 @pytest.mark.parametrize("name", list(SPELLINGS))
-def test_each_spelling_is_rewritten(name):
+def test_each_spelling_is_rewritten(name, m):
     mod = Spelled(name)
-    o, freqs = _rope_inputs(9)
+    o, freqs = _rope_inputs(m)
     out = _compile(mod)(o, freqs)
     rep = dp.last_report()
     assert rep.sites == {"wo_a": 1}, rep.to_markdown()
