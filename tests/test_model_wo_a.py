@@ -57,18 +57,23 @@ def test_tiny_model_fuses_every_wo_a_site():
 
 
 @pytest.mark.slow
-def test_decode_graph_rewrites_every_family():
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "batch_invariant"])
+def test_decode_graph_rewrites_every_family(batch_invariant):
     """M = 1 (a single sequence's decode step) gets its own static graph, whose decompositions lay out
     size-1 dims differently: every family is still rewritten there, the attention tail included."""
     model = tiny_model()
     n = model.config.num_hidden_layers
-    f = dp.compile(model, dp.PassConfig(), options={**EMULATE, "fx_graph_cache": False})
+    f = dp.compile(model, dp.PassConfig(batch_invariant=batch_invariant),
+                   options={**EMULATE, "fx_graph_cache": False})
     args = packed([1], seed=3)
     out = f(*args)
     rep = dp.last_report()
     want = {"mhc_post": 2 * n, "mhc_stats": 2 * n, "mhc_collapse": 2 * n + 1, "q_rope_store": n,
             "kv_rope_store": n, "wo_a": n}
-    assert rep.sites == want, rep.to_markdown()
+    sites = dict(rep.sites)
+    if batch_invariant:  # and every remaining matmul pinned to the fixed-order kernels
+        assert sites.pop("bi_matmul", 0) > 0, rep.to_markdown()
+    assert sites == want, rep.to_markdown()
     assert not [w for w in rep.warnings if "rewrote no site" in w], rep.warnings
     ref = eager(model, *args)
     torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1.6e-2 * ref.abs().max().item())
