@@ -432,7 +432,7 @@ def test_triton_sm90_builds_one_wgmma_shape_and_no_fma():
         groups = sum(i.startswith("wgmma.commit_group") for i in ins)
         want = {"pre": range(12, 20), "2": range(6, 10), "4": range(3, 7)}[n.split()[-1] if "stacked" in n else "pre"]
         assert groups in want, (n, groups)
-    # the default configs keep everything in registers (the measured default of 2026-11-29 spilled)
+    # the default configs keep everything in registers (under Triton 3.9 the previous projection spilled)
     default = tk.DEFAULTS["mhc_pre"]
     usage = built[f"pre {default['BLOCK_M']}x{default['num_warps']}"]["usage"]
     assert usage and usage["STACK"] == 0 and usage["REG"] <= 255, usage
