@@ -228,47 +228,30 @@ def test_triton_declines_shapes_it_cannot_tile():
 
 
 # ------------------------------------------------------------------ Triton: built for sm_90 without a GPU
-_TRITON_BUILD = """
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from dsv41_passes.lowering.triton import wo_a as tk
-
-kernel = tk._wo_a_kernel
-POINTERS = {"o_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "z_ptr": "*bf16"}
-ALIGNED = (*POINTERS, "stride_om", "stride_wn", "stride_cm", "stride_sm", "stride_zm")  # as real launches see them
-out = {}
-for name, cfg in (("batch_invariant", tk.BATCH_INVARIANT_CONFIG), ("decode", tk.default_config(1)),
-                  ("prefill", tk.default_config(65536))):
-    bn, bk = tk._tile_sizes(cfg, 512, 1024, 64)  # TP4 per rank: G 2, R 1024, 8 heads of 512 per group, rope 64
-    consts = dict(R=1024, D=512, HPG=8, RD=64, N_TILES=2048 // bn, BM=cfg["BM"], BN=bn, BK=bk, INTERP=False)
-    sig = {a: POINTERS.get(a, "constexpr" if a in consts else "i32") for a in kernel.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names) if a in ALIGNED}
-    compiled = triton.compile(ASTSource(kernel, sig, consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                                           enable_fp_fusion=False))
-    out[name] = dict(ptx=compiled.asm["ptx"], shared=compiled.metadata.shared,
-                     stage_bytes=2 * bk * (cfg["BM"] + bn), stages=cfg["num_stages"])
-json.dump(out, sys.stdout)
-"""
-
-
 def test_triton_compiles_for_sm90():
     """The GPU build (not the interpreter): tensor-core dots, a pipelined K loop, M a runtime argument."""
-    import json
+    from sm90 import build_sm90, instructions
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(_TRITON_BUILD)], capture_output=True, text=True,
-                       env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    builds = json.loads(r.stdout.strip().splitlines()[-1])
-    assert "wgmma" in builds["batch_invariant"]["ptx"] and "wgmma" in builds["prefill"]["ptx"]
-    assert "mma.sync" in builds["decode"]["ptx"]  # BM 16: below the wgmma tile
-    for name, b in builds.items():
-        assert b["shared"] >= 2 * b["stage_bytes"], f"{name}: K loop not software-pipelined ({b['shared']} B smem)"
-        assert "fma.rn.f32" not in b["ptx"], f"{name}: FMA contraction in the de-rotation"
+    from dsv41_passes.lowering.triton import wo_a as tk
+
+    pointers = {"o_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "z_ptr": "*bf16"}
+    aligned = ["stride_om", "stride_wn", "stride_cm", "stride_sm", "stride_zm"]  # as real launches see them
+    names, builds, stage_bytes = [], [], []
+    for name, cfg in (("batch_invariant", tk.BATCH_INVARIANT_CONFIG), ("decode", tk.default_config(1)),
+                      ("prefill", tk.default_config(65536))):
+        bn, bk = tk._tile_sizes(cfg, 512, 1024, 64)  # TP4 per rank: G 2, R 1024, 8 heads of 512 per group, rope 64
+        names.append(name)
+        stage_bytes.append(2 * bk * (cfg["BM"] + bn))
+        builds.append(dict(
+            module="dsv41_passes.lowering.triton.wo_a", kernel="_wo_a_kernel", types=pointers, aligned=aligned,
+            constexprs=dict(R=1024, D=512, HPG=8, RD=64, N_TILES=2048 // bn, BM=cfg["BM"], BN=bn, BK=bk, INTERP=False),
+            options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=False)))
+    built = dict(zip(names, build_sm90(builds)))
+    assert "wgmma" in built["batch_invariant"]["ptx"] and "wgmma" in built["prefill"]["ptx"]
+    assert "mma.sync" in built["decode"]["ptx"]  # BM 16: below the wgmma tile
+    for (name, b), stage in zip(built.items(), stage_bytes):
+        assert b["shared"] >= 2 * stage, f"{name}: K loop not software-pipelined ({b['shared']} B smem)"
+        assert not any(i.startswith("fma.") for i in instructions(b["ptx"])), f"{name}: FMA contraction in the de-rotation"
 
 
 # ------------------------------------------------------------------ TileLang: built for sm_90a without a GPU

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ...tuning import tactic
+from ..wo_a import geometry
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
@@ -90,16 +91,14 @@ def shape_reason(h: int, d: int, g: int, r: int, rope_dim: int) -> str | None:
 
 
 def unsupported_reason(o: torch.Tensor, weight: torch.Tensor, rope_dim: int) -> str | None:
-    _, h, d = o.shape
-    n, k = weight.shape
-    g = h * d // k
+    _, h, d, g, r, _ = geometry(o, weight)
     if o.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
         return f"dtypes {o.dtype}/{weight.dtype} (kernel is bf16)"
     if not o.is_contiguous():
         return f"o is not contiguous (strides {tuple(o.stride())}); the kernel reads a dense [M, H*D]"
     if not weight.is_contiguous():
         return "weight is not contiguous"
-    return shape_reason(h, d, g, n // g, rope_dim)
+    return shape_reason(h, d, g, r, rope_dim)
 
 
 # ------------------------------------------------------------------ kernel
@@ -254,10 +253,8 @@ def _tile_args(cfg: dict) -> dict:
 
 def tactic_key(o: torch.Tensor, weight: torch.Tensor, rope_dim: int) -> tuple[str, dict]:
     """(op, shape key) under which this provider's tuned configs are stored (``rope_dim`` 0: no RoPE)."""
-    _, h, d = o.shape
-    n, k = weight.shape
-    g = h * d // k
-    return TACTIC_OP, dict(g=g, r=n // g, k=k, d=d, rd=rope_dim)
+    _, _, d, g, r, k = geometry(o, weight)
+    return TACTIC_OP, dict(g=g, r=r, k=k, d=d, rd=rope_dim)
 
 
 def _rope_table(cos: torch.Tensor, sin: torch.Tensor, m: int, rope_dim: int) -> torch.Tensor:
@@ -280,10 +277,8 @@ def wo_a(
     batch_invariant: bool,
     config: dict | None = None,
 ) -> torch.Tensor:
-    m, h, d = o.shape
-    n, k = weight.shape
-    g = h * d // k
-    r = n // g
+    m, h, d, g, r, _ = geometry(o, weight)
+    n = g * r
     rd = rope_dim if cos is not None else 0
     why = unsupported_reason(o, weight, rd)
     if why:

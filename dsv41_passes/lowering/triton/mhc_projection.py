@@ -166,15 +166,16 @@ def _proj_kernel(
     for c in range(DS // BK):
         cols = s * DS + c * BK + tl.arange(0, BK)
         hb = h_ptr + rr * stride_h + cols[None, :]
-        if STACK == 2:
-            # the chunk's streams in two [BM, 2 BK] operands: six dots a chunk, not twelve
-            for q in tl.static_range(2):
-                j = tl.arange(0, 2 * BK)
-                kcol = (2 * q + j // BK) * D + s * DS + c * BK + j % BK
-                a = tl.load(h_ptr + rr * stride_h + kcol[None, :], mask=m2, other=0.0)
-                if INTERP:
-                    a = a.to(tl.float32)
-                acc_hi, acc_mid, acc_lo = _dot3(a, parts_ptr, kcol, acc_hi, acc_mid, acc_lo, K, INTERP)
+        for q in tl.static_range(4 // STACK if STACK else 0):
+            # STACK of the chunk's streams as one [BM, STACK * BK] operand: 12 / STACK dots a chunk
+            j = tl.arange(0, STACK * BK)
+            kcol = (STACK * q + j // BK) * D + s * DS + c * BK + j % BK
+            a = tl.load(h_ptr + rr * stride_h + kcol[None, :], mask=m2, other=0.0)
+            if INTERP:
+                a = a.to(tl.float32)
+            acc_hi, acc_mid, acc_lo = _dot3(a, parts_ptr, kcol, acc_hi, acc_mid, acc_lo, K, INTERP)
+            # streams back out of the operand (still bf16: half the registers)
+            if STACK == 2:
                 ha, hz = tl.split(tl.permute(tl.reshape(a, (BM, 2, BK)), (0, 2, 1)))  # streams 2q, 2q + 1
                 ha, hz = ha.to(tl.float32), hz.to(tl.float32)
                 ssq = tl.fma(ha, ha, ssq)
@@ -186,26 +187,17 @@ def _proj_kernel(
                     else:
                         xc += p2 * ha
                         xc += p3 * hz
-        if STACK == 4:
-            # the chunk's four streams as one [BM, 4 BK] operand: three dots a chunk, not twelve
-            j = tl.arange(0, 4 * BK)
-            kcol = (j // BK) * D + s * DS + c * BK + j % BK
-            a = tl.load(h_ptr + rr * stride_h + kcol[None, :], mask=m2, other=0.0)
-            if INTERP:
-                a = a.to(tl.float32)
-            acc_hi, acc_mid, acc_lo = _dot3(a, parts_ptr, kcol, acc_hi, acc_mid, acc_lo, K, INTERP)
-            # streams back out of the stacked tile (still bf16: half the registers): [BM, BK, 2, 2]
-            # with stream = 2 * a + b
-            e, o = tl.split(tl.permute(tl.reshape(a, (BM, 2, 2, BK)), (0, 3, 1, 2)))
-            h0, h2 = tl.split(e)
-            h1, h3 = tl.split(o)
-            h0, h1, h2, h3 = h0.to(tl.float32), h1.to(tl.float32), h2.to(tl.float32), h3.to(tl.float32)
-            ssq = tl.fma(h0, h0, ssq)
-            ssq = tl.fma(h1, h1, ssq)
-            ssq = tl.fma(h2, h2, ssq)
-            ssq = tl.fma(h3, h3, ssq)
-            if COLLAPSE:
-                xc = _collapse(h0, h1, h2, h3, p0, p1, p2, p3)
+            else:  # [BM, BK, 2, 2] with stream = 2 * a + b
+                e, o = tl.split(tl.permute(tl.reshape(a, (BM, 2, 2, BK)), (0, 3, 1, 2)))
+                h0, h2 = tl.split(e)
+                h1, h3 = tl.split(o)
+                h0, h1, h2, h3 = h0.to(tl.float32), h1.to(tl.float32), h2.to(tl.float32), h3.to(tl.float32)
+                ssq = tl.fma(h0, h0, ssq)
+                ssq = tl.fma(h1, h1, ssq)
+                ssq = tl.fma(h2, h2, ssq)
+                ssq = tl.fma(h3, h3, ssq)
+                if COLLAPSE:
+                    xc = _collapse(h0, h1, h2, h3, p0, p1, p2, p3)
         if BOUNDARY:
             yv = tl.load(y_ptr + rr * stride_y + cols[None, :], mask=m2, other=0.0).to(tl.float32)
             r0 = tl.load(hb, mask=m2, other=0.0).to(tl.float32)

@@ -63,15 +63,24 @@ def _bf16_bits(x):
 
 
 @triton.jit
-def _round_bf16(x):
-    """fp32 -> fp32 holding the round-to-nearest-even bf16 value (for values reused after rounding)."""
-    return _bf16_bits(x).to(tl.float32, bitcast=True)
+def _round_bf16(x, HW: tl.constexpr):
+    """fp32 -> fp32 holding the round-to-nearest-even bf16 value (for values reused after rounding).
+    HW: the GPU's conversion (``cvt.rn.bf16.f32``); otherwise on the bits (the interpreter truncates)."""
+    if HW:
+        return x.to(tl.bfloat16).to(tl.float32)
+    else:
+        return _bf16_bits(x).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _pack_bf16x2(y0, y1):
-    """(even, odd) fp32 -> uint32 words of two round-to-nearest-even bf16."""
-    return (_bf16_bits(y0) >> 16) | _bf16_bits(y1)
+def _pack_bf16x2(y0, y1, HW: tl.constexpr):
+    """(even, odd) fp32 -> uint32 words of two round-to-nearest-even bf16 (HW: as ``_round_bf16``)."""
+    if HW:
+        lo = y0.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
+        hi = y1.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
+        return lo | (hi << 16)
+    else:
+        return (_bf16_bits(y0) >> 16) | _bf16_bits(y1)
 
 
 @triton.jit
@@ -133,26 +142,6 @@ def _to_e4m3(v, HW: tl.constexpr):
 
 
 @triton.jit
-def _round_bf16_hw(x, HW: tl.constexpr):
-    """fp32 -> fp32 holding its round-to-nearest-even bf16 (``cvt.rn.bf16`` on a GPU)."""
-    if HW:
-        return x.to(tl.bfloat16).to(tl.float32)
-    else:
-        return _round_bf16(x)
-
-
-@triton.jit
-def _pack_bf16x2_hw(y0, y1, HW: tl.constexpr):
-    """(even, odd) fp32 -> uint32 words of two round-to-nearest-even bf16."""
-    if HW:
-        lo = y0.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
-        hi = y1.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
-        return lo | (hi << 16)
-    else:
-        return _pack_bf16x2(y0, y1)
-
-
-@triton.jit
 def _fp8_qdq_pairs(z0, z1, HW: tl.constexpr):
     """FP8-e4m3 round trip of a block split into its even ``z0`` and odd ``z1`` elements.
 
@@ -197,7 +186,7 @@ def _q_rope_store_kernel(
     s = tl.load(sin_ptr + t[:, None] * stride_sm + p[None, :] * stride_sp, mask=rot, other=0.0)
     x0, x1 = _unpack_bf16x2(w)
     y0, y1 = _rotate(x0, x1, c, s, rot)
-    out = tl.where(rot, _pack_bf16x2(y0, y1), w)  # un-rotated words are copied bit for bit
+    out = tl.where(rot, _pack_bf16x2(y0, y1, False), w)  # un-rotated words are copied bit for bit
     tl.store(buf_ptr + t[:, None] * stride_bm + h[:, None] * stride_bh + col[None, :],
              out.to(tl.int32, bitcast=True), mask=mask)
 
@@ -266,8 +255,8 @@ def _kv_rope_quant_kernel(
     ms = tl.sum(tl.sum(x0 * x0 + x1 * x1, axis=2), axis=1) * (1.0 / D)
     rstd = tl.math.div_rn(tl.full((BLOCK_T,), 1.0, tl.float32), tl.sqrt_rn(ms + eps))  # torch.rsqrt on CPU
     rstd = tl.expand_dims(tl.expand_dims(rstd, 1), 2)
-    y0 = _round_bf16_hw(g0 * (x0 * rstd), HW)
-    y1 = _round_bf16_hw(g1 * (x1 * rstd), HW)
+    y0 = _round_bf16(g0 * (x0 * rstd), HW)
+    y1 = _round_bf16(g1 * (x1 * rstd), HW)
     # RoPE on the last rd dims (pairs never straddle a quant block: BLOCK is even), bf16 rounding
     p = col - PAIR0
     rot = tok_ok[:, None, None] & ((p >= 0) & (p < D // 2 - PAIR0))[None, :, :]
@@ -276,8 +265,8 @@ def _kv_rope_quant_kernel(
     y0, y1 = _rotate(y0, y1, c, s, rot)
     # FP8 round trip; padded columns are zeros and never raise a block's amax. The results have
     # at most 4 significant bits, so packing them into bf16 is exact.
-    q0, q1 = _fp8_qdq_pairs(_round_bf16_hw(y0, HW), _round_bf16_hw(y1, HW), HW)
-    out = _pack_bf16x2_hw(q0, q1, HW).to(tl.int32, bitcast=True)
+    q0, q1 = _fp8_qdq_pairs(_round_bf16(y0, HW), _round_bf16(y1, HW), HW)
+    out = _pack_bf16x2(q0, q1, HW).to(tl.int32, bitcast=True)
     tl.store(out_ptr + t[:, None, None] * stride_om + col[None, :, :], out, mask=mask)
     if STORE:
         _store_rows(cache_ptr, slot_ptr, t, tok_ok, col, col_ok, out, S, stride_slot, stride_cache)

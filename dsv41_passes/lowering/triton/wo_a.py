@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ...tuning import tactic
+from ..wo_a import geometry
 from .common import INTERPRET, rne_bf16
 
 # Configs worth timing per op (a tuner picks per M bucket; BN and BK are clipped to the shape).
@@ -62,10 +63,7 @@ def _pow2_divisor(x: int) -> int:
 
 def unsupported_reason(o: torch.Tensor, weight: torch.Tensor, rope_dim: int) -> str | None:
     """Why this kernel cannot take these shapes (None when it can). ``rope_dim`` 0: no RoPE."""
-    _, h, d = o.shape
-    n, k = weight.shape
-    g = h * d // k
-    r = n // g
+    _, _, d, _, r, _ = geometry(o, weight)
     if o.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
         return f"dtypes {o.dtype}/{weight.dtype} (kernel is bf16)"
     if r % 16:
@@ -79,10 +77,8 @@ def unsupported_reason(o: torch.Tensor, weight: torch.Tensor, rope_dim: int) -> 
 
 def tactic_key(o: torch.Tensor, weight: torch.Tensor, rope_dim: int) -> tuple[str, dict]:
     """(op, shape key) under which this provider's tuned configs are stored (``rope_dim`` 0: no RoPE)."""
-    _, h, d = o.shape
-    n, k = weight.shape
-    g = h * d // k
-    return "wo_a", dict(g=g, r=n // g, k=k, d=d, rd=rope_dim)
+    _, _, d, g, r, k = geometry(o, weight)
+    return "wo_a", dict(g=g, r=r, k=k, d=d, rd=rope_dim)
 
 
 def _tile_sizes(cfg: dict, d: int, r: int, rope_dim: int) -> tuple[int, int]:
@@ -166,10 +162,8 @@ def wo_a(
     config: dict | None = None,
 ) -> torch.Tensor:
     """Launch the kernel; ``config`` overrides the tactic (for tuners and tests)."""
-    m, h, d = o.shape
-    n, k = weight.shape
-    g = h * d // k
-    r = n // g
+    m, h, d, g, r, _ = geometry(o, weight)
+    n = g * r
     rd = rope_dim if cos is not None else 0
     why = unsupported_reason(o, weight, rd)
     if why:
