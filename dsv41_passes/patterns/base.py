@@ -436,13 +436,14 @@ def _extra_check(pat: FusionPattern, sp: Spelling, ref_gm: fx.GraphModule) -> Ca
     def check(match: Match) -> bool:
         ctx = current_context()
         anchor = match.output_nodes()[0]
+        values = bound_values(match)
         if sp.tokens is not None:  # silently not this spelling's graph: no near-miss to report
-            first = bound_values(match).get(argnames[0])
+            first = values.get(argnames[0])
             if not (isinstance(first, torch.Tensor) and _is_int(first.shape[0]) and first.shape[0] == sp.tokens):
                 return False
         why = _Verifier(ref_gm, argnames, match, sp.scalars).run(match.output_nodes())
         if why is None:
-            why = pat.check(bound_values(match))
+            why = pat.check(values)
         if why is not None:
             site = ctx.site(anchor, pat.kind)
             site.reasons.append(f"{sp.name}: {why}")
@@ -452,7 +453,7 @@ def _extra_check(pat: FusionPattern, sp: Spelling, ref_gm: fx.GraphModule) -> Ca
         if pat.provider_args is not None:
             from ..lowering import choose
 
-            p, declined = choose(pat.op, ctx.providers, ctx.batch_invariant, *pat.provider_args(bound_values(match)))
+            p, declined = choose(pat.op, ctx.providers, ctx.batch_invariant, *pat.provider_args(values))
             site.provider = p.name if p is not None else None
             site.note = "; ".join(declined)
         return True
