@@ -75,6 +75,9 @@ def _linear(i: int, o: int) -> nn.Linear:
     return nn.Linear(i, o, bias=False, dtype=torch.bfloat16)
 
 
+KEY_CHUNK = 128  # head_dim columns of the window keys gathered at a time
+
+
 class BatchMeta:
     """Per-token bookkeeping of a packed batch, computed once per forward."""
 
@@ -154,9 +157,16 @@ class Attention(nn.Module):
         kv = self.kv_norm(self.wkv(x))
         kv[..., -rd:] = apply_rotary_complex(kv[..., -rd:], freqs_cis)
         kv = fp8_block_qdq(kv, self.kv_block)
-        keys = torch.where(
-            meta.key_is_new[..., None], kv[meta.key_new_idx], self.kv_cache[meta.key_cache_idx]
-        )  # [M, W, D], read before this call's store
+        # the window's keys [M, W, D], read before this call's store, in head_dim chunks: no tensor of
+        # M * W * D elements (2^31 at M = 32768 for V4.1), which would make Inductor guard its
+        # 32-bit indexing on M and recompile for long prefills
+        keys = [
+            torch.where(
+                meta.key_is_new[..., None], kv[:, c : c + KEY_CHUNK][meta.key_new_idx],
+                self.kv_cache[:, c : c + KEY_CHUNK][meta.key_cache_idx],
+            )
+            for c in range(0, d, KEY_CHUNK)
+        ]
         self.kv_cache.index_copy_(0, meta.slot_mapping, kv)
         o = self._window_attention(self.q_buffer[:m, :h], keys, meta.key_valid)
         # output: inverse RoPE, grouped low-rank WO-A, WO-B
@@ -166,15 +176,17 @@ class Attention(nn.Module):
         z = torch.einsum("mgd,grd->mgr", og, wa)
         return self.wo_b(z.flatten(1))
 
-    def _window_attention(self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        kf = keys.float()
-        s = torch.einsum("mhd,mwd->mhw", q.float(), kf) * self.softmax_scale
+    def _window_attention(self, q: torch.Tensor, keys: list[torch.Tensor], valid: torch.Tensor) -> torch.Tensor:
+        """Softmax attention with a per-head sink over the window; ``keys`` are head_dim chunks (K = V)."""
+        kf = [k.float() for k in keys]
+        qf = q.float().split(KEY_CHUNK, dim=-1)
+        s = sum(torch.einsum("mhd,mwd->mhw", qc, kc) for qc, kc in zip(qf, kf)) * self.softmax_scale
         s = s.masked_fill(~valid[:, None, :], float("-inf"))
         sink = self.attn_sink.view(1, -1, 1)
         mx = torch.maximum(s.amax(-1, keepdim=True), sink)
         p = torch.exp(s - mx)
         p = p / (p.sum(-1, keepdim=True) + torch.exp(sink - mx))
-        return torch.einsum("mhw,mwd->mhd", p, kf).to(q.dtype)
+        return torch.cat([torch.einsum("mhw,mwd->mhd", p, kc) for kc in kf], dim=-1).to(q.dtype)
 
 
 class Gate(nn.Module):
