@@ -1,6 +1,6 @@
 """A toy serving loop: packed prefill, then greedy decode steps, one compiled graph for every batch size.
 
-    python examples/serve_loop.py [--batch-invariant]
+    python examples/05_serve_loop.py [--batch-invariant]
 
 Each step packs whatever sequences are active into one token dimension; the
 compiled graph serves every token count (M = 1 gets its own graph once).

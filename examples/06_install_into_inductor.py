@@ -1,6 +1,6 @@
 """Install the passes into your own Inductor compile, as a vLLM/SGLang-style backend would.
 
-    python examples/install_into_inductor.py
+    python examples/06_install_into_inductor.py
 """
 
 import torch

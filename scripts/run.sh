@@ -6,12 +6,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import dsv41_passes, torch, triton" 2>/dev/null; then
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import dsv41_passes, torch, triton, matplotlib" 2>/dev/null; then
   "$PY" -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   # pin the CPU torch first so the open range in pyproject does not pull a multi-GB CUDA build
   .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".[triton,tilelang,dev]"
+  .venv/bin/python -m pip install -q -e ".[triton,tilelang,dev,examples]"
 fi
 cmd=${1:-demo}
 shift || true

@@ -1,5 +1,7 @@
 """The scripts in examples/ run from a fresh process and print what they promise."""
 
+import ast
+import json
 import os
 import re
 import subprocess
@@ -9,33 +11,83 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+ALL_KINDS = {"mhc_stats", "mhc_collapse", "mhc_post", "q_rope_store", "kv_rope_store", "wo_a"}
 
 
-def _run(name: str) -> str:
+def _run(name: str, *args: str) -> str:
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    r = subprocess.run([sys.executable, str(ROOT / "examples" / name)], capture_output=True, text=True, env=env,
+    r = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, env=env,
                        timeout=900, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-4000:]
     return r.stdout
 
 
-@pytest.mark.slow
-def test_compile_and_inspect():
-    out = _run("compile_and_inspect.py")
-    assert "wo_a" in out and "mhc_post" in out
-    err = float(re.search(r"max \|logits - eager\| = (\S+)", out).group(1))
-    assert err < 0.05, out[-2000:]
+def _max_error(out: str) -> float:
+    m = re.search(r"max \|logits - eager\| = (\S+)", out)
+    assert m, out[-2000:]
+    return float(m.group(1))
 
 
 @pytest.mark.slow
-def test_install_into_inductor():
-    out = _run("install_into_inductor.py")
+def test_01_compile_and_compare():
+    out = _run("01_compile_and_compare.py")
+    assert "| wo_a | 0 |" in out and "| mhc_post | 1 |" in out, out[-2000:]  # report table rows
+    counts = re.search(r"rewritten sites: (.*);", out).group(1)
+    assert "wo_a: 2" in counts and "mhc_post: 4" in counts, counts
+    assert _max_error(out) < 0.05, out[-2000:]
+
+
+@pytest.mark.slow
+def test_02_inspect_rewritten_graphs(tmp_path):
+    out = _run("02_inspect_rewritten_graphs.py", "--out", str(tmp_path))
+    png = tmp_path / "layer0_rewritten_region.png"
+    assert f"wrote {png}" in out, out[-2000:]
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000, len(data)
+    for f in ("graph0.before.txt", "graph0.after.txt", "graph0.report.json"):
+        assert f"wrote {tmp_path / 'dump' / f}" in out and (tmp_path / "dump" / f).stat().st_size > 0, f
+    before, after = map(int, re.search(r"(\d+) nodes before the passes, (\d+) after", out).groups())
+    assert 0 < after < before, (before, after)
+    per_layer = dict(re.findall(r"^\s+layer (\d+): (.+)$", out, re.M))
+    for layer in ("0", "1"):
+        assert set(re.findall(r"(\w+) \d+", per_layer.get(layer, ""))) == ALL_KINDS, out[-2000:]
+    assert re.search(r"layer 0: 7 fused ops \(.*wo_a.*\)", out), out[-2000:]
+
+
+@pytest.mark.slow
+def test_04_load_checkpoint():
+    out = _run("04_load_checkpoint.py")
+    assert re.search(r"checkpoint: \d+ tensors, [1-9]\d* FP8 weights with block scales", out), out[-2000:]
+    sites = ast.literal_eval(re.search(r"sites rewritten: (\{.*\})", out).group(1))
+    assert set(sites) == ALL_KINDS and all(v > 0 for v in sites.values()), sites
+    assert _max_error(out) < 0.05, out[-2000:]
+
+
+@pytest.mark.slow
+def test_05_serve_loop_one_graph_per_token_regime():
+    out = _run("05_serve_loop.py")
+    assert "Dynamo graphs compiled: 2 " in out, out[-2000:]
+    decode = re.search(r"decode graph \(M = 1\) rewrote: (\{.*\})", out).group(1)
+    assert "'wo_a': 2" in decode and "'q_rope_store': 2" in decode, decode
+
+
+@pytest.mark.slow
+def test_06_install_into_inductor():
+    out = _run("06_install_into_inductor.py")
     assert "rewritten sites: mhc_post: 1, mhc_stats: 1" in out, out[-2000:]
 
 
 @pytest.mark.slow
-def test_serve_loop_one_graph_per_token_regime():
-    out = _run("serve_loop.py")
-    assert "Dynamo graphs compiled: 2 " in out, out[-2000:]
-    decode = re.search(r"decode graph \(M = 1\) rewrote: (\{.*\})", out).group(1)
-    assert "'wo_a': 2" in decode and "'q_rope_store': 2" in decode, decode
+def test_03_prefill_benchmark_dry_run(tmp_path):
+    # 03 is a GPU benchmark; --dry-run runs one tiny layer on CPU. --json keeps its output out of the repo.
+    result = tmp_path / "prefill.json"
+    out = _run("03_prefill_benchmark.py", "--dry-run", "--ms", "40", "--json", str(result))
+    assert f"wrote {result}" in out and (tmp_path / "prefill.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", out[-2000:]
+    data = json.loads(result.read_text())
+    got = {(r["backend"], r["scope"]) for r in data["rows"] if r["M"] == 40 and r["ms_per_layer"] > 0}
+    assert got == {(b, s) for b in ("eager", "inductor", "dsv41") for s in ("layer", "outside")}, got
+    fams = data["families_ms_per_layer"]["40"]
+    assert all(fams.get(f, 0) > 0 for f in ("mhc", "rope_store", "wo_a")), fams
+    assert data["checks"]["dsv41 outside M=40"] < 0.05, data["checks"]
+    assert data["summary"][0]["M"] == 40
