@@ -7,7 +7,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/dsv41-out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 DSV41_TACTICS_FILE=${DSV41_TACTICS_FILE:-$OUT/tactics.json}
+export PYTHONUNBUFFERED=1
 # The TileLang bundle ships only libz3 (TileLang loads it by RUNPATH) in a folder named z3; as an
 # importable namespace package it makes torch think the z3 Python API exists and crash. Block it.
 site="${TMPDIR:-/tmp}/dsv41-site"

@@ -171,7 +171,8 @@ class Tunable:
     make_inputs: Callable[[int, Any], tuple]
     run: Callable[[tuple, dict[str, Any]], Any]
     candidates: list[dict[str, Any]]
-    default: dict[str, Any]
+    default: dict[str, Any]  # the batch-invariant config (and the untuned one, unless ``untuned`` is given)
+    untuned: Callable[[int], dict[str, Any]] | None = None  # untuned config by token count
 
 
 def _time_ms(fn: Callable[[], Any], device: Any) -> float:
@@ -214,8 +215,10 @@ def warmup(
     chosen: dict[str, dict[int, dict[str, Any]]] = {}
     for b, t in tqdm(todo, disable=not progress, desc="dsv41 warm-up", unit="kernel"):
         inputs = t.make_inputs(b, dev)
-        if bi or not enabled() or len(t.candidates) <= 1:
+        if bi:
             best = t.default
+        elif not enabled() or len(t.candidates) <= 1:
+            best = t.untuned(b) if t.untuned else t.default  # what an untuned call at this M runs
         else:
             timed = []
             for cand in t.candidates:

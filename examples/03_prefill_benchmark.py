@@ -11,8 +11,9 @@ count. Per token count M it reports milliseconds per layer for
            is the part the passes rewrite plus the projections around it (eager still gathers
            the keys it then drops; the compiled graphs drop the gather)
 
-and, for the dsv41 backend, the share of the layer spent in each fused family (profiler time of
-the ``dsv41::`` ops). The MoE runs its local experts densely (no sparse dispatch in the
+and, from one profiled call per backend and scope, the time in each fused family (the
+``dsv41::`` ops), in library GEMMs (``aten::mm`` and kin: the projections, the same cuBLAS
+calls in every backend) and in all kernels. The MoE runs its local experts densely (no sparse dispatch in the
 reference), so the routed experts are cut to 8 (2 on this rank; each token goes through both,
 about the 1.5 expert FFNs a rank computes per token under top-6 of 384) plus the shared expert.
 
@@ -132,24 +133,38 @@ def time_ms(fn, dev, reps):
     return sorted(a.elapsed_time(b) for a, b in ev)[reps // 2]
 
 
-def family_ms(fn, dev) -> dict[str, float]:
-    """Milliseconds per call spent in each fused family's ops (profiler, one call)."""
+GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm")
+
+
+def breakdown_ms(fn, dev) -> dict[str, float]:
+    """Milliseconds per call by kind (profiler, one call): each fused family's ``dsv41::`` ops,
+    the library GEMMs (``aten::mm`` and kin, the same cuBLAS calls in every backend), and the
+    total kernel time."""
     from torch.profiler import ProfilerActivity, profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    cuda = dev.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     fn()
     with profile(activities=acts) as prof:
         fn()
-        if dev.type == "cuda":
+        if cuda:
             torch.cuda.synchronize()
     out: dict[str, float] = {}
+    total = 0.0
     for ev in prof.key_averages():
-        if not ev.key.startswith("dsv41::"):
+        if cuda:
+            total += ev.self_device_time_total / 1e3
+        us = ev.device_time_total if cuda else ev.cpu_time_total
+        if ev.key.startswith("dsv41::"):
+            op = ev.key.split("::", 1)[1]
+            kind = next((f for k, f in FAMILY_OF.items() if op.startswith(k)), "other_fused")
+        elif ev.key in GEMMS:
+            kind = "gemm"
+        else:
             continue
-        op = ev.key.split("::", 1)[1]
-        fam = next((f for k, f in FAMILY_OF.items() if op.startswith(k)), "other")
-        us = ev.device_time_total if dev.type == "cuda" else ev.cpu_time_total
-        out[fam] = out.get(fam, 0.0) + us / 1e3
+        out[kind] = out.get(kind, 0.0) + us / 1e3
+    if cuda:
+        out["all_kernels"] = total
     return out
 
 
@@ -226,7 +241,7 @@ def main() -> None:
         cfg = DeepseekV41Config.flash(tp_size=4, n_routed_experts=8, max_position_embeddings=max(args.ms))
         first, max_tokens = 2, max(args.ms)
     torch.set_grad_enabled(False)
-    rows, fams, checks = [], {}, {}
+    rows, fams, checks, breakdown = [], {}, {}, {}
     models = {scope: build(cfg, args.layers, first, max_tokens, dev, scope == "outside") for scope in ("layer", "outside")}
     runners = {(b, s): compiled(b, models[s]) for b in args.backends for s in models}
     for m in args.ms:
@@ -244,8 +259,10 @@ def main() -> None:
                 outs[(b, s)] = fn(*x)[0].float()
                 first_call = time.perf_counter() - t0
                 ms = time_ms(lambda: fn(*x), dev, args.reps) / args.layers
+                parts = {k: v / args.layers for k, v in breakdown_ms(lambda: fn(*x), dev).items()}
+                breakdown.setdefault(f"{b} {s}", {})[str(m)] = parts
                 if b == "dsv41" and s == "layer":
-                    fams[str(m)] = {k: v / args.layers for k, v in family_ms(lambda: fn(*x), dev).items()}
+                    fams[str(m)] = {k: v for k, v in parts.items() if k in ("mhc", "rope_store", "wo_a")}
             rows.append({"M": m, "backend": b, "scope": s, "ms_per_layer": ms, "first_call_s": first_call})
             print(f"M={m:6d} {b:8s} {s:8s} {ms:9.3f} ms/layer  (first call {first_call:.1f} s)", flush=True)
         for (b, s), o in outs.items():  # the MoE's top-k may flip on near ties, so 'layer' can differ more
@@ -273,7 +290,12 @@ def main() -> None:
             summary.append(s)
             print(f"M={m}: outside MoE + attention core {s['outside_speedup_vs_inductor']:.2f}x shorter than "
                   f"Inductor default; whole layer {s['layer_speedup_vs_inductor']:.2f}x")
-    payload = {"rows": rows, "families_ms_per_layer": fams, "summary": summary, "checks": checks,
+    print("\nprofiled ms per layer (one call): fused families, library GEMMs, all kernels")
+    for key, per_m in breakdown.items():
+        for m, parts in per_m.items():
+            print(f"  {key:18s} M={m:>6s} " + "  ".join(f"{k} {v:.3f}" for k, v in sorted(parts.items())))
+    payload = {"rows": rows, "families_ms_per_layer": fams, "breakdown_ms_per_layer": breakdown,
+               "summary": summary, "checks": checks,
                "shapes": {"layers": args.layers, "tp": cfg.tp_size, "hidden": cfg.hidden_size,
                           "local_heads": cfg.local_heads, "routed_experts": cfg.n_routed_experts,
                           "local_experts": cfg.local_experts, "dry_run": args.dry_run}}

@@ -73,6 +73,7 @@ def test_uuid_changes_with_sources_and_versions(monkeypatch, tmp_path):
     assert _uuid() == base
     assert any(f.match("lowering/triton/mhc.py") for f in pm.source_files())
     assert any(f.match("patterns/mhc.py") for f in pm.source_files())
+    assert any(f.match("reference/rope.py") for f in pm.source_files())  # patterns trace the reference functions
 
 
 _CACHE_SCRIPT = """

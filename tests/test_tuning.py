@@ -123,3 +123,16 @@ def test_warmup_compiles_and_tunes_every_op_without_running_the_model(monkeypatc
     assert tuning.entries() == {}  # batch-invariant mode: defaults only, nothing tuned
     chosen = dp.warmup(cfg, max_tokens=2, device="cpu", progress=False)
     assert len(tuning.entries()) == 2 * len(chosen)  # one tuned entry per op and bucket
+
+
+def test_warmup_without_tactics_compiles_what_untuned_calls_run(monkeypatch):
+    """DSV41_TACTICS=off: each bucket gets the config an untuned call at that M uses (WO-A's
+    depends on M), not the batch-invariant one."""
+    from dsv41_passes.lowering.triton import wo_a as tk
+    from dsv41_passes.reference import DeepseekV41Config
+
+    monkeypatch.setenv("DSV41_TACTICS", "off")
+    chosen = dp.warmup(DeepseekV41Config.tiny(), max_tokens=128, device="cpu", progress=False)
+    assert chosen["wo_a"] == {b: tk.default_config(b) for b in chosen["wo_a"]}
+    assert any(cfg != tk.BATCH_INVARIANT_CONFIG for cfg in chosen["wo_a"].values())
+    assert tuning.entries() == {}

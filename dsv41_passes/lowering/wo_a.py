@@ -166,9 +166,10 @@ def tunables(config, device=None) -> list:
         return tl_wo_a.wo_a(*inputs, batch_invariant=False, config=cfg)
 
     key = dict(g=g, r=r, k=k, d=d, rd=rd)
-    out = [Tunable("wo_a", key, make_inputs, run_triton, tk.CANDIDATES["wo_a"], tk.BATCH_INVARIANT_CONFIG)]
+    out = [Tunable("wo_a", key, make_inputs, run_triton, tk.CANDIDATES["wo_a"], tk.BATCH_INVARIANT_CONFIG,
+                   tk.default_config)]
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if tilelang_available(torch.empty(0, device=dev)) is None:
         out.append(Tunable(tl_wo_a.TACTIC_OP, key, make_inputs, run_tilelang, tl_wo_a.CANDIDATES[tl_wo_a.TACTIC_OP],
-                           tl_wo_a.BATCH_INVARIANT_CONFIG))
+                           tl_wo_a.BATCH_INVARIANT_CONFIG, tl_wo_a.default_config))
     return out
