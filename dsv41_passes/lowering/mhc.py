@@ -223,7 +223,6 @@ def _triton_post_ok(y, res, post, comb, *, batch_invariant):
     return None
 
 
-# Supersedes the first "triton" registration of mhc_post above (adds the hc_mult/layout checks).
 @register_provider("mhc_post", "triton", _triton_post_ok)
 def _triton_post(y, res, post, comb, *, batch_invariant):
     from .triton import mhc as tk
