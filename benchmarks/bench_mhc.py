@@ -20,7 +20,6 @@ from a copy bandwidth measured in the same run. CUDA-graph replay timings.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 import traceback
@@ -116,10 +115,6 @@ def variants(unit: str, t: dict[str, torch.Tensor], compiled: dict[str, Callable
     if unit == "pre":
         out["triton (mhc_pre, one read)"] = lambda: tk.mhc_pre(h, pp, parts, sc, ba, w, ITERS, HC_EPS, NORM_EPS, EPS,
                                                                **kw)
-        for bm, n in ((64, 2), (64, 4), (128, 4)):  # streams of a chunk as one dot operand (tuner candidates)
-            cfg = next(c for c in tk.CANDIDATES["mhc_pre"] if c.get("STACK") == n and c["BLOCK_M"] == bm)
-            out[f"triton (mhc_pre, {n} streams a dot, BLOCK_M {bm})"] = functools.partial(
-                tk.mhc_pre, h, pp, parts, sc, ba, w, ITERS, HC_EPS, NORM_EPS, EPS, config=cfg, **kw)
         out["triton (stats + collapse)"] = lambda: (
             tk.mhc_collapse(h, pp, w, EPS, **kw), *tk.mhc_stats(h, parts, sc, ba, ITERS, HC_EPS, NORM_EPS, **kw))
         if tilelang_ok():

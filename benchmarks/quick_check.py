@@ -74,10 +74,7 @@ def mhc(m: int) -> None:
     rows = slice(0, 2048)
     exact = h[rows].flatten(1).double() @ fn.double().t()
     exact = exact * torch.rsqrt(h[rows].double().flatten(1).square().mean(-1, keepdim=True) + 1e-6)
-    configs = {"default": None, "per stream, BLOCK_M 128, 8 warps": dict(BLOCK_M=128, num_warps=8, num_stages=3)}
-    for bm, n in ((64, 2), (64, 4), (128, 2), (128, 4), (256, 4)):
-        configs[f"{n} streams a dot, BLOCK_M {bm}"] = next(c for c in tk.CANDIDATES["mhc_pre"]
-                                                          if c.get("STACK") == n and c["BLOCK_M"] == bm)
+    configs = {"default": None, "BLOCK_M 128, 8 warps": dict(BLOCK_M=128, num_warps=8, num_stages=3)}
     base_x = None
     for name, cfg in configs.items():
         mixes = tk.stats_mixes(h, parts, scale, base, 20, 1e-6, 1e-6, config=cfg)[rows].double()

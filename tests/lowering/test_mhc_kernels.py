@@ -185,32 +185,13 @@ def with_cancellation(t):
     return dict(t, h=h, pre_prev=p)
 
 
-def stacked(op: str, stack: int) -> dict:
-    return dict(tk.default_config(op), STACK=stack)
-
-
-@pytest.mark.parametrize("stack", [0, 2, 4], ids=["per_stream", "pairs", "stacked"])
 @pytest.mark.parametrize("weight", ["w", None])
-def test_pre_equals_collapse_and_stats_bitwise(weight, stack):
+def test_pre_equals_collapse_and_stats_bitwise(weight):
     t = with_cancellation(make_inputs(21, D, seed=5))
-    x, pre, post, comb = pre_op(t, weight, config=stacked("mhc_pre", stack))
+    x, pre, post, comb = pre_op(t, weight)
     assert_equal(x, collapse_op(t, weight), "x")
-    for name, a, b in zip(("pre", "post", "comb"), (pre, post, comb), stats(t, config=stacked("mhc_stats", stack))):
+    for name, a, b in zip(("pre", "post", "comb"), (pre, post, comb), stats(t)):
         assert_equal(a, b, name)
-
-
-@pytest.mark.parametrize("stack", [2, 4])
-def test_stacked_projection_against_float64(stack):
-    """STACK configs: the same projection with 2 or 4 of a chunk's streams as one operand."""
-    t = make_inputs(33, 2 * D, seed=12)
-    pre, post, comb = stats(t, config=stacked("mhc_stats", stack))
-    mixes = tk.stats_mixes(t["h"], build_parts(t["fn"]), t["scale"], t["base"], ITERS, HC_EPS, NORM_EPS,
-                           config=stacked("mhc_stats", stack))
-    check_stats_numerics(t, mixes, pre, post, comb)
-    with pytest.raises(ValueError, match="STACK"):
-        boundary_op(t, config=dict(tk.default_config("mhc_boundary"), STACK=stack))
-    with pytest.raises(ValueError, match="STACK must be 0, 2 or 4"):
-        stats(t, config=stacked("mhc_stats", 3))
 
 
 @pytest.mark.parametrize("weight", ["w", None])
@@ -386,16 +367,15 @@ def _sm90_builds(d: int = 5120) -> tuple[list[str], list[dict]]:
                  "pre_ptr post_ptr comb_ptr mix_ptr ws_ptr ss_ptr xss_ptr count_ptr").split()
     floats = ("hc_eps", "norm_eps", "eps")
     bk = tk.slice_geometry(d)[1]
-    variants = {(c["BLOCK_M"], c["num_warps"], c.get("STACK", 0)) for c in tk.CANDIDATES["mhc_pre"]}
-    for bm, warps, stack in sorted(variants):
+    variants = {(c["BLOCK_M"], c["num_warps"]) for c in tk.CANDIDATES["mhc_pre"]}
+    for bm, warps in sorted(variants):
         consts = dict(D=d, BK=bk, BM=bm, XB=tk._norm_block(d, bm), BOUNDARY=False, COLLAPSE=True, NORM=True,
-                      MIXES=False, STACK=stack, INTERP=False)
-        add(f"pre {bm}x{warps}{f' stacked {stack}' if stack else ''}", "_proj_kernel", proj_ptrs, floats, consts,
-            num_warps=warps, num_stages=3)
+                      MIXES=False, INTERP=False)
+        add(f"pre {bm}x{warps}", "_proj_kernel", proj_ptrs, floats, consts, num_warps=warps, num_stages=3)
     cfg = tk.DEFAULTS["mhc_boundary"]
     add("boundary", "_proj_kernel", proj_ptrs, floats,
         dict(D=d, BK=bk, BM=cfg["BLOCK_M"], XB=tk._norm_block(d, cfg["BLOCK_M"]), BOUNDARY=True, COLLAPSE=True,
-             NORM=True, MIXES=False, STACK=0, INTERP=False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+             NORM=True, MIXES=False, INTERP=False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     cfg = tk.DEFAULTS["mhc_collapse"]
     for norm in (False, True):
         add(f"collapse norm={norm}", "_collapse_kernel", ("h_ptr", "pre_ptr", "w_ptr", "x_ptr"), ("eps",),
@@ -428,10 +408,9 @@ def test_triton_sm90_builds_one_wgmma_shape_and_no_fma():
         ins = instructions(built[n]["ptx"])
         found = sorted({i.split()[0] for i in ins if i.startswith("wgmma.mma_async")})
         assert found == ["wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16"], (n, found)
-        # the point of stacking: 6 or 3 wgmma groups per chunk instead of 12 (plus the epilogue's)
+        # 12 wgmma groups per chunk (4 streams x hi/mid/lo), plus the epilogue's
         groups = sum(i.startswith("wgmma.commit_group") for i in ins)
-        want = {"pre": range(12, 20), "2": range(6, 10), "4": range(3, 7)}[n.split()[-1] if "stacked" in n else "pre"]
-        assert groups in want, (n, groups)
+        assert groups in range(12, 20), (n, groups)
     # the default configs keep everything in registers (under Triton 3.9 the previous projection spilled)
     default = tk.DEFAULTS["mhc_pre"]
     usage = built[f"pre {default['BLOCK_M']}x{default['num_warps']}"]["usage"]
@@ -471,26 +450,6 @@ GPU_MS = [1, 7, 4096, 4097, 16384, 65536]
 
 def _chunked(fn, n, step=2048):
     return torch.cat([fn(slice(i, min(i + step, n))) for i in range(0, n, step)]) if n else fn(slice(0, 0))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [7, 4097, 65536])
-def test_gpu_flash_stacked_numerics(m):
-    """STACK configs (hi-part MMA chains of 2 or 4 BK products) keep the mixes within 1e-6 of float64."""
-    t = make_inputs(m, FLASH_D, seed=m, device="cuda")
-    parts = build_parts(t["fn"])
-    for bm, stack in ((64, 2), (64, 4), (128, 4), (256, 4)):
-        cfg = next(c for c in tk.CANDIDATES["mhc_stats"] if c.get("STACK") == stack and c["BLOCK_M"] == bm)
-        mixes = tk.stats_mixes(t["h"], parts, t["scale"], t["base"], ITERS, HC_EPS, NORM_EPS, config=cfg)
-        m64 = _chunked(lambda s: mixes64(t["h"][s], t["fn"]), m)
-        assert normwise(mixes, m64) <= 1e-6, cfg
-        pre, post, comb = stats(t, config=cfg)
-        for out, r in zip((pre, post, comb), split64(m64, t["scale"], t["base"])):
-            torch.testing.assert_close(out.double(), r, rtol=2e-5, atol=2e-6)
-        x, *rest = pre_op(t, config=cfg)
-        assert_equal(x, collapse_op(t), "x")
-        for a, b in zip(rest, (pre, post, comb)):
-            assert_equal(a, b, "pre vs stats")
 
 
 @pytest.mark.gpu

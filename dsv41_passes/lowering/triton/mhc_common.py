@@ -56,13 +56,6 @@ _PROJ_CANDIDATES = [
 ]
 # 256 rows halve the L2 traffic of the weight parts per row; the boundary's extra tiles do not fit there
 _WIDE = [dict(BLOCK_M=256, num_warps=8, num_stages=st) for st in (2, 3)]
-# 2 or 4 streams of a chunk as one dot operand: the sm_90 build issues 6 or 3 wgmma groups a chunk
-# (12 unstacked); the hi part's MMA chains grow from BK to 2 or 4 BK products
-_STACKED = [
-    dict(BLOCK_M=bm, num_warps=w, num_stages=st, STACK=n)
-    for bm, w, st in ((64, 4, 3), (128, 8, 3), (256, 8, 2))
-    for n in (2, 4)
-]
 CANDIDATES: dict[str, list[dict]] = {
     "mhc_post": [
         dict(BLOCK_R=r, BLOCK_D=b, num_warps=w)
@@ -72,8 +65,8 @@ CANDIDATES: dict[str, list[dict]] = {
         if r * b <= 4096
     ],
     "mhc_collapse": [dict(BLOCK_R=r, num_warps=w) for r in (16, 32, 64) for w in (4, 8)],
-    "mhc_stats": _PROJ_CANDIDATES + _WIDE + _STACKED,
-    "mhc_pre": _PROJ_CANDIDATES + _WIDE + _STACKED,
+    "mhc_stats": _PROJ_CANDIDATES + _WIDE,
+    "mhc_pre": _PROJ_CANDIDATES + _WIDE,
     "mhc_boundary": _PROJ_CANDIDATES,
 }
 

@@ -17,7 +17,6 @@ from .mhc_common import (
     _S,
     LAUNCH_OPTIONS,
     NMIX,
-    _collapse,
     _combine,
     _norm_block,
     _normalize_rows,
@@ -133,15 +132,12 @@ def _proj_kernel(
     iters, hc_eps, norm_eps, eps,
     D: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, XB: tl.constexpr,
     BOUNDARY: tl.constexpr, COLLAPSE: tl.constexpr, NORM: tl.constexpr, MIXES: tl.constexpr,
-    STACK: tl.constexpr, INTERP: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     """One (row block, K slice) per program; the last slice program of a row block to finish reduces it.
 
     BOUNDARY: h is ``post(y, res, post_in, comb_in)``, computed here and written once to new_ptr.
     COLLAPSE: also ``x = bf16(sum_j pre_prev_j h_j)`` (NORM: then RMSNorm of x, finished in place).
-    STACK (0, 2 or 4; not with BOUNDARY): the projection takes STACK streams of a chunk as one
-    K = STACK * BK operand, so the hi part's MMA chains are that long instead of BK; everything
-    else is bit-identical.
     """
     DS: tl.constexpr = D // _S
     K: tl.constexpr = 4 * D
@@ -158,53 +154,16 @@ def _proj_kernel(
     acc_lo = tl.zeros((BM, _NP), tl.float32)
     ssq = tl.zeros((BM, BK), tl.float32)
     xsq = tl.zeros((BM, BK), tl.float32)
-    if STACK and COLLAPSE:
-        p0 = tl.load(pre_prev_ptr + rows * 4, mask=rmask, other=0.0)[:, None]
-        p1 = tl.load(pre_prev_ptr + rows * 4 + 1, mask=rmask, other=0.0)[:, None]
-        p2 = tl.load(pre_prev_ptr + rows * 4 + 2, mask=rmask, other=0.0)[:, None]
-        p3 = tl.load(pre_prev_ptr + rows * 4 + 3, mask=rmask, other=0.0)[:, None]
     for c in range(DS // BK):
         cols = s * DS + c * BK + tl.arange(0, BK)
         hb = h_ptr + rr * stride_h + cols[None, :]
-        for q in tl.static_range(4 // STACK if STACK else 0):
-            # STACK of the chunk's streams as one [BM, STACK * BK] operand: 12 / STACK dots a chunk
-            j = tl.arange(0, STACK * BK)
-            kcol = (STACK * q + j // BK) * D + s * DS + c * BK + j % BK
-            a = tl.load(h_ptr + rr * stride_h + kcol[None, :], mask=m2, other=0.0)
-            if INTERP:
-                a = a.to(tl.float32)
-            acc_hi, acc_mid, acc_lo = _dot3(a, parts_ptr, kcol, acc_hi, acc_mid, acc_lo, K, INTERP)
-            # streams back out of the operand (still bf16: half the registers)
-            if STACK == 2:
-                ha, hz = tl.split(tl.permute(tl.reshape(a, (BM, 2, BK)), (0, 2, 1)))  # streams 2q, 2q + 1
-                ha, hz = ha.to(tl.float32), hz.to(tl.float32)
-                ssq = tl.fma(ha, ha, ssq)
-                ssq = tl.fma(hz, hz, ssq)
-                if COLLAPSE:  # the order of _collapse: ((p0 h0 + p1 h1) + p2 h2) + p3 h3
-                    if q == 0:
-                        xc = p0 * ha
-                        xc += p1 * hz
-                    else:
-                        xc += p2 * ha
-                        xc += p3 * hz
-            else:  # [BM, BK, 2, 2] with stream = 2 * a + b
-                e, o = tl.split(tl.permute(tl.reshape(a, (BM, 2, 2, BK)), (0, 3, 1, 2)))
-                h0, h2 = tl.split(e)
-                h1, h3 = tl.split(o)
-                h0, h1, h2, h3 = h0.to(tl.float32), h1.to(tl.float32), h2.to(tl.float32), h3.to(tl.float32)
-                ssq = tl.fma(h0, h0, ssq)
-                ssq = tl.fma(h1, h1, ssq)
-                ssq = tl.fma(h2, h2, ssq)
-                ssq = tl.fma(h3, h3, ssq)
-                if COLLAPSE:
-                    xc = _collapse(h0, h1, h2, h3, p0, p1, p2, p3)
         if BOUNDARY:
             yv = tl.load(y_ptr + rr * stride_y + cols[None, :], mask=m2, other=0.0).to(tl.float32)
             r0 = tl.load(hb, mask=m2, other=0.0).to(tl.float32)
             r1 = tl.load(hb + D, mask=m2, other=0.0).to(tl.float32)
             r2 = tl.load(hb + 2 * D, mask=m2, other=0.0).to(tl.float32)
             r3 = tl.load(hb + 3 * D, mask=m2, other=0.0).to(tl.float32)
-        for k in tl.static_range(0 if STACK else 4):
+        for k in tl.static_range(4):
             if BOUNDARY:  # stream k of the new residual: written once, then used from registers
                 cb = comb_in_ptr + rows * 16 + k
                 ak, hk = _round_bf16(_combine(
@@ -290,11 +249,6 @@ def _launch_proj(
     xss = torch.empty_like(ss) if norm else ss
     count = torch.zeros(nblocks, dtype=torch.int32, device=dev)
     _, bk = slice_geometry(d)
-    stack = int(cfg.get("STACK", 0))
-    if stack not in (0, 2, 4):
-        raise ValueError(f"Triton {op}: STACK must be 0, 2 or 4 streams per dot, got {cfg['STACK']!r}")
-    if stack and boundary:
-        raise ValueError(f"Triton {op}: STACK configs are for the projection of a stored residual, not the boundary")
     dummy = out["pre"]
     new_res = out.get("new_res", dummy)
     x = out.get("x", dummy)
@@ -309,7 +263,7 @@ def _launch_proj(
         x.stride(0) if collapse else 0,
         int(iters), float(hc_eps), float(norm_eps), float(eps),
         D=d, BK=bk, BM=bm, XB=_norm_block(d, bm), BOUNDARY=boundary, COLLAPSE=collapse, NORM=norm, MIXES=mixes,
-        STACK=stack, INTERP=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
+        INTERP=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
         **LAUNCH_OPTIONS,
     )
     return out
