@@ -22,8 +22,8 @@ _NP = tl.constexpr(NP)
 
 # Every projection config keeps BLOCK_M >= 16 * num_warps: on Hopper each warpgroup then owns 64 rows
 # and the dots lower to the same wgmma m64n32k16 chain, so a row's bits do not depend on the config.
-# Defaults: the configs the H200 tuning run of 2026-11-29 picked at M = 65536, 4096 and 128 alike
-# (benchmarks/results/mhc-tune-NVIDIA_H200-2026-11-29.json).
+# Defaults: the configs the H200 tuning run of 2026-11-29 picked for pre and post at M = 65536
+# (benchmarks/results/mhc-tune-NVIDIA_H200-2026-11-29.json; its picks at 4096 and 128 differ).
 DEFAULTS: dict[str, dict] = {
     "mhc_post": dict(BLOCK_R=1, BLOCK_D=1024, num_warps=8),
     "mhc_collapse": dict(BLOCK_R=32, num_warps=4),
