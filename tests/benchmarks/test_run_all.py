@@ -247,3 +247,17 @@ def test_runner_rollover_and_explicit_json(tmp_path):
     assert rec[1]["limit_s"] > 3  # 1 s of its own plus what stage x left unused
     budget = f"{run_all.BUDGET_FRAC * rec[1]['limit_s']:.0f}"
     assert f"['--budget-s', '{budget}']" in Path(rec[1]["log"]).read_text()  # a share of the limit it got
+
+
+def test_committed_prefill_result_normalizes_to_its_own_summary():
+    path = RESULTS / "prefill-NVIDIA_H200-2026-11-29.json"
+    body = load(path)
+    rows = run_all.normalize(body, path.name)
+    ms = {(r["op"], r["impl"], r["M"]): r["ms"] for r in rows}
+    assert len(rows) == 18  # 3 backends x 2 scopes x 3 token counts
+    for s in body["summary"]:
+        m = s["M"]
+        assert ms[("outside", "inductor", m)] / ms[("outside", "dsv41", m)] == pytest.approx(s["outside_speedup_vs_inductor"])
+        assert ms[("layer", "inductor", m)] / ms[("layer", "dsv41", m)] == pytest.approx(s["layer_speedup_vs_inductor"])
+    md = run_all.markdown(rows, {"device": "NVIDIA H200", "date": "2026-11-29"})
+    assert "| 16384 | dsv41 | 14.22 | 4.308 |" in md
