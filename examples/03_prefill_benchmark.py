@@ -70,9 +70,9 @@ class Layers(nn.Module):
         tables = {}
         self.table_of = []
         for i in range(n):
-            key = repr(layer_rope_params(cfg, first + i))
+            base, scaling = layer_rope_params(cfg, first + i)
+            key = repr((base, scaling))
             if key not in tables:
-                base, scaling = layer_rope_params(cfg, first + i)
                 tables[key] = len(tables)
                 self.register_buffer(f"table_{tables[key]}", rope_table(cfg.qk_rope_head_dim, max_tokens, base, scaling),
                                      persistent=False)
