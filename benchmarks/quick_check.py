@@ -1,10 +1,10 @@
 """A few minutes on the GPU: the kernel variants that were built and checked on CPU only, side by side
-with the defaults at M = 65536 (V4.1-Flash shapes), correctness first, then time. Prints one table.
+with the defaults (V4.1-Flash shapes), correctness first, then time. Prints one table.
 
-    source .devsite/setup.sh && python3 benchmarks/quick_check.py [--m 65536]
+    source .devsite/setup.sh && python3 benchmarks/quick_check.py [--m 65536 4096] [--only kv post wo_a mhc]
 
-Times are CUDA-event means over a few launches after a warm-up (at this M a launch costs far less
-than the kernel); the benchmarks proper (bench_*.py) use CUDA graphs and write JSON.
+Times are CUDA-graph replays (``benchmarks.common.time_ms``); % = memory roofline (measured copy
+bandwidth) / time. The benchmarks proper (bench_*.py) write JSON.
 """
 
 from __future__ import annotations
@@ -18,24 +18,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ROWS: list[tuple[str, str, str, str]] = []
+from benchmarks.common import measure_copy_bandwidth, time_ms  # noqa: E402
+
+ROWS: list[tuple[str, ...]] = []
+BANDWIDTH = 0.0
 
 
-def ms(fn, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
-
-
-def row(family: str, variant: str, check: str, t: float | None) -> None:
-    ROWS.append((family, variant, check, "-" if t is None else f"{t:.3f}"))
-    print(f"{family:8} {variant:34} {check:28} {ROWS[-1][3]}", flush=True)
+def row(family: str, variant: str, check: str, t: float | None, note: str = "") -> None:
+    ROWS.append((family, variant, check, "-" if t is None else f"{t:.4f}", note))
+    print(f"{family:8} {variant:44} {check:28} {ROWS[-1][3]:>8} {note}", flush=True)
 
 
 def kv(m: int) -> None:
@@ -48,16 +39,38 @@ def kv(m: int) -> None:
     ang = torch.rand(m, rd // 2, device="cuda", generator=g) * 6.3
     cos, sin = ang.cos(), ang.sin()
     slots = torch.randperm(2 * m, device="cuda")[:m]
-    outs = {}
-    for hw in (True, False):
-        cache = torch.zeros(2 * m, d, dtype=torch.bfloat16, device="cuda")
-        cfg = dict(rk.KV_DEFAULT, HW=hw)
-        run = lambda: rk.kv_rope_quant(kv_in, w, 1e-6, cos, sin, block, cache, slots,  # noqa: E731
-                                       batch_invariant=True, config=cfg)
-        outs[hw] = (run(), cache)
-        row("kv", f"hardware cvt={hw}", "", ms(run))
-    same = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(outs[True], outs[False]))
-    row("kv", "hardware == bit rule", f"bitwise {same}", None)
+    cache = torch.zeros(2 * m, d, dtype=torch.bfloat16, device="cuda")
+    base = rk.kv_rope_quant(kv_in, w, 1e-6, cos, sin, block, cache, slots, batch_invariant=True)
+    roof = (3 * m * d * 2 + m * rd * 4 + m * 8) / BANDWIDTH * 1e3
+    row("kv", f"roofline M={m}", "", roof)
+    for cfg in [rk.KV_DEFAULT, *(c for c in rk.CANDIDATES["kv_rope_quant_store"]
+                                 if c["num_warps"] <= 4 and c["BLOCK_T"] <= 4)]:
+        run = lambda cfg=cfg: rk.kv_rope_quant(kv_in, w, 1e-6, cos, sin, block, cache, slots,  # noqa: E731
+                                               batch_invariant=False, config=cfg)
+        same = torch.equal(run().view(torch.int16), base.view(torch.int16))
+        t = time_ms(run)
+        row("kv", f"M={m} " + ",".join(f"{k}={v}" for k, v in cfg.items()), f"same bits {same}", t,
+            f"{100 * roof / t:.0f}%")
+
+
+def post(m: int) -> None:
+    from dsv41_passes.lowering.triton import mhc as tk
+
+    d = 5120
+    g = torch.Generator(device="cuda").manual_seed(0)
+    res = torch.randn(m, 4, d, device="cuda", generator=g).bfloat16()
+    y = torch.randn(m, d, device="cuda", generator=g).bfloat16()
+    post_w = torch.rand(m, 4, device="cuda", generator=g) * 2
+    comb = torch.rand(m, 4, 4, device="cuda", generator=g)
+    base = tk.mhc_post(y, res, post_w, comb, batch_invariant=True)
+    roof = m * d * 2 * (4 + 1 + 4) / BANDWIDTH * 1e3
+    row("post", f"roofline M={m}", "", roof)
+    for cfg in tk.CANDIDATES["mhc_post"]:
+        run = lambda cfg=cfg: tk.mhc_post(y, res, post_w, comb, batch_invariant=False, config=cfg)  # noqa: E731
+        same = torch.equal(run(), base)
+        t = time_ms(run)
+        row("post", f"M={m} " + ",".join(f"{k}={v}" for k, v in cfg.items()), f"same bits {same}", t,
+            f"{100 * roof / t:.0f}%")
 
 
 def mhc(m: int) -> None:
@@ -74,7 +87,8 @@ def mhc(m: int) -> None:
     rows = slice(0, 2048)
     exact = h[rows].flatten(1).double() @ fn.double().t()
     exact = exact * torch.rsqrt(h[rows].double().flatten(1).square().mean(-1, keepdim=True) + 1e-6)
-    configs = {"default": None, "BLOCK_M 128, 8 warps": dict(BLOCK_M=128, num_warps=8, num_stages=3)}
+    configs = {"default": None, "BLOCK_M 128, 8 warps": dict(BLOCK_M=128, num_warps=8, num_stages=3),
+               "BLOCK_M 256, 8 warps": dict(BLOCK_M=256, num_warps=8, num_stages=2)}
     base_x = None
     for name, cfg in configs.items():
         mixes = tk.stats_mixes(h, parts, scale, base, 20, 1e-6, 1e-6, config=cfg)[rows].double()
@@ -83,7 +97,10 @@ def mhc(m: int) -> None:
                                          batch_invariant=False, config=cfg)
         x = run()[0]
         base_x = x if base_x is None else base_x
-        row("mhc_pre", name, f"mixes {err:.2e}, x same {torch.equal(x, base_x)}", ms(run))
+        row("mhc_pre", f"M={m} {name}", f"mixes {err:.2e}, x same {torch.equal(x, base_x)}", time_ms(run))
+        stats = lambda cfg=cfg: tk.mhc_stats(h, parts, scale, base, 20, 1e-6, 1e-6,  # noqa: E731
+                                             batch_invariant=False, config=cfg)
+        row("mhc_pre", f"M={m} {name}: stats alone", "", time_ms(stats))
 
 
 def wo_a(m: int) -> None:
@@ -97,33 +114,52 @@ def wo_a(m: int) -> None:
     cs = torch.view_as_real(torch.polar(torch.ones_like(ang), ang))
     cos, sin = cs[..., 0], cs[..., 1]
     ref = torch.ops.dsv41.wo_a(o, w, cos, sin, rd, "reference", 0).float()
-    for name, cfg in (("tilelang default", tw.default_config(m)),
-                      ("tilelang one loop 128x256", dict(BM=128, BN=256, BK=64, stages=4, threads=256, one_loop=True)),
-                      ("tilelang one loop 128x256 3st", dict(BM=128, BN=256, BK=64, stages=3, threads=256,
-                                                             one_loop=True))):
-        run = lambda cfg=cfg: tw.wo_a(o, w, cos, sin, rd, batch_invariant=False, config=cfg)  # noqa: E731
-        err = ((run().float() - ref).norm() / ref.norm()).item()
-        row("wo_a", name, f"vs reference {err:.1e}", ms(run) if err < 4e-3 else None)
+    flops = 2 * m * g_ * r * (h // g_) * d
+    big = dict(BM=128, BN=256, BK=64, stages=4, threads=256, one_loop=True)
+    variants = [("default", tw.default_config(m), rd)]
+    variants += [(",".join(f"{k}={v}" for k, v in c.items() if k not in ("BK", "one_loop", "threads")), c, rd)
+                 for c in tw.CANDIDATES[tw.TACTIC_OP] if c.get("one_loop") and c["BM"] == 128]
+    variants += [("no rope (GEMM alone) 128x256 4st", big, 0),
+                 ("no rope (GEMM alone) 128x256 3st", dict(big, stages=3), 0)]
+    for name, cfg, rdim in variants:
+        c_, s_ = (cos, sin) if rdim else (None, None)
+
+        def run(cfg=cfg, c_=c_, s_=s_, rdim=rdim):
+            return tw.wo_a(o, w, c_, s_, rdim, batch_invariant=False, config=cfg)
+
+        try:
+            out = run().float()
+        except Exception as e:  # a config the device cannot take (shared memory)
+            row("wo_a", f"M={m} {name}", f"{type(e).__name__}: {str(e)[:60]}", None)
+            continue
+        err = ((out - ref).norm() / ref.norm()).item() if rdim else float("nan")
+        t = time_ms(run) if not err > 4e-3 else None
+        row("wo_a", f"M={m} {name}", f"vs reference {err:.1e}", t, f"{flops / t / 1e9:.0f} TFLOP/s" if t else "")
     og = o.view(m, g_, -1).transpose(0, 1).contiguous()
     wt = w.view(g_, r, -1).transpose(1, 2)
-    row("wo_a", "cuBLAS bmm, pre-transposed", "", ms(lambda: torch.bmm(og, wt)))
+    t = time_ms(lambda: torch.bmm(og, wt))
+    row("wo_a", f"M={m} cuBLAS bmm, pre-transposed", "", t, f"{flops / t / 1e9:.0f} TFLOP/s")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--m", type=int, default=65536)
-    ap.add_argument("--only", nargs="*", default=["kv", "mhc", "wo_a"])
+    ap.add_argument("--m", type=int, nargs="+", default=[65536])
+    ap.add_argument("--only", nargs="*", default=["kv", "post", "wo_a"])
     args = ap.parse_args()
     import dsv41_passes  # noqa: F401  (registers the ops)
 
-    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    global BANDWIDTH
+    BANDWIDTH = measure_copy_bandwidth()
+    print(torch.cuda.get_device_name(), torch.__version__, f"copy {BANDWIDTH / 1e12:.2f} TB/s", flush=True)
     for name in args.only:
-        try:
-            globals()[name](args.m)
-        except Exception:
-            traceback.print_exc()
-            row(name, "FAILED", "", None)
-    print("\n| family | variant | check | ms |\n|---|---|---|---|")
+        for m in args.m:
+            try:
+                globals()[name](m)
+            except Exception:
+                traceback.print_exc()
+                row(name, f"M={m} FAILED", "", None)
+            torch.cuda.empty_cache()
+    print("\n| family | variant | check | ms | note |\n|---|---|---|---|---|")
     for r in ROWS:
         print("| " + " | ".join(r) + " |")
 
