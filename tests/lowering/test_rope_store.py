@@ -263,20 +263,6 @@ def test_launch_configs_agree():
         tuning.clear()
 
 
-def test_persistent_kv_kernel_is_the_same_per_token():
-    """The persistent variant (programs walking several token blocks, prefetching the next) gives
-    the bits of the one-block-per-program kernel, cache included, with a ragged last block."""
-    cache, kv, weight, kcos, ksin, slots = _kv_case(11, 64, 16, 30)
-    outs = []
-    for cfg in (dict(BLOCK_T=2, num_warps=2), dict(BLOCK_T=2, num_warps=2, PERSIST=1)):  # 6 blocks, 4 programs
-        c = cache.clone()
-        outs.append((tk.kv_rope_quant(kv, weight, 1e-6, kcos, ksin, 32, c, slots, batch_invariant=False,
-                                      config=cfg), c))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    want = ops.kv_rope_quant(kv, weight, 1e-6, kcos, ksin, 32, "reference", 0)
-    assert torch.equal(outs[1][0], want)
-
-
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [65536, 65537])
@@ -358,11 +344,7 @@ def test_kv_kernel_builds_for_sm90_with_hardware_conversions():
                    aligned=["stride_km", "stride_om", "stride_cm", "stride_sm", "stride_cache"],
                    constexprs=dict(D=512, PAIR0=224, BLOCK=32, NB=16, BLOCK_T=1, STORE=True, HW=hw),
                    options=dict(num_warps=2, enable_fp_fusion=False)) for hw in (True, False)]
-    builds.append(dict(builds[0], kernel="_kv_rope_quant_persistent_kernel",
-                       constexprs=dict(builds[0]["constexprs"], BLOCK_T=2)))
-    hw_build, bit_build, persistent = (instructions(b["ptx"]) for b in build_sm90(builds))
-    assert not any(i.startswith("fma.") for i in persistent)
-    assert "cvt.rn.satfinite.e4m3x2.f32" in {i.split()[0] for i in persistent}
+    hw_build, bit_build = (instructions(b["ptx"]) for b in build_sm90(builds))
     ops = {i.split()[0] for i in hw_build}
     assert {"cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.bf16.f32"} <= ops, sorted(ops)
     assert not any(i.startswith("fma.") for i in hw_build + bit_build)

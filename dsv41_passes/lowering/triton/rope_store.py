@@ -2,7 +2,7 @@
 
 ``q_rope_store``: one program per (token block, head group); each (token, head) row is
 read once from ``q`` and written once into the padded buffer, the last ``rd`` dims rotated.
-``kv_rope_quant``: one program per block of tokens (default one token): RMSNorm, RoPE on
+``kv_rope_quant``: one program per block of tokens (default four): RMSNorm, RoPE on
 the tail, FP8-e4m3 round trip with UE8M0 per-block scales; stores the result and, for
 ``kv_rope_quant_store``, also the cache row picked by the token's slot. On a GPU the bf16
 and e4m3 roundings are the hardware conversions (``cvt.rn.bf16.f32``,
@@ -35,11 +35,9 @@ from .common import INTERPRET
 
 # Launch configs worth timing per op (the tuner's search space). Defaults are M-independent.
 Q_DEFAULT = dict(BLOCK_T=1, BLOCK_H=4, num_warps=4)
-KV_DEFAULT = dict(BLOCK_T=1, num_warps=2)
-# PERSIST: programs per SM that each walk many token blocks, loading the next while computing this one
-_KV_CANDIDATES = [dict(BLOCK_T=t, num_warps=w) for t in (1, 2, 4, 8) for w in (1, 2, 4, 8)] + [
-    dict(BLOCK_T=t, num_warps=w, PERSIST=p) for t, w in ((1, 2), (2, 2), (2, 4), (4, 4)) for p in (4, 8, 16)
-]
+# KV: four tokens a program: 0.060 ms at M = 65536 on the H200 vs 0.105 for one token with 2 warps
+# (benchmarks/results/run13-quick_check.log)
+KV_DEFAULT = dict(BLOCK_T=4, num_warps=2)
 CANDIDATES: dict[str, list[dict]] = {
     "q_rope_store": [
         dict(BLOCK_T=t, BLOCK_H=h, num_warps=w)
@@ -48,8 +46,8 @@ CANDIDATES: dict[str, list[dict]] = {
         for w in (2, 4, 8)
         if t * h <= 16
     ],
-    "kv_rope_quant_store": _KV_CANDIDATES,
-    "kv_rope_quant": _KV_CANDIDATES,
+    "kv_rope_quant_store": [dict(BLOCK_T=t, num_warps=w) for t in (1, 2, 4, 8) for w in (1, 2, 4, 8)],
+    "kv_rope_quant": [dict(BLOCK_T=t, num_warps=w) for t in (1, 2, 4, 8) for w in (1, 2, 4, 8)],
 }
 
 
@@ -238,55 +236,6 @@ def _store_rows(cache_ptr, slot_ptr, t, tok_ok, col, col_ok, out, S, stride_slot
              mask=keep[:, None, None] & col_ok[None, :, :])
 
 
-@triton.jit
-def _kv_load(kv_ptr, cos_ptr, sin_ptr, t, M, stride_km, stride_cm, stride_cp, stride_sm, stride_sp,
-             D: tl.constexpr, PAIR0: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr):
-    """The loads of one token block: kv words and the rope tables (tile [T, NB, BLOCK/2])."""
-    tok_ok = t < M
-    col = tl.arange(0, NB)[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]  # word = pair index
-    col_ok = col < D // 2
-    w = tl.load(kv_ptr + t[:, None, None] * stride_km + col[None, :, :],
-                mask=tok_ok[:, None, None] & col_ok[None, :, :], other=0)
-    p = col - PAIR0
-    rot = tok_ok[:, None, None] & ((p >= 0) & (p < D // 2 - PAIR0))[None, :, :]
-    c = tl.load(cos_ptr + t[:, None, None] * stride_cm + p[None, :, :] * stride_cp, mask=rot, other=0.0)
-    s = tl.load(sin_ptr + t[:, None, None] * stride_sm + p[None, :, :] * stride_sp, mask=rot, other=0.0)
-    return w, c, s
-
-
-@triton.jit
-def _kv_compute_store(
-    w, c, s, t, w_ptr, slot_ptr, out_ptr, cache_ptr, M, S, eps, stride_om, stride_slot, stride_cache,
-    D: tl.constexpr, PAIR0: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, STORE: tl.constexpr,
-    HW: tl.constexpr,
-):
-    """Norm, RoPE, FP8 round trip and the stores of one token block loaded by ``_kv_load``."""
-    tok_ok = t < M
-    col = tl.arange(0, NB)[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
-    col_ok = col < D // 2
-    mask = tok_ok[:, None, None] & col_ok[None, :, :]
-    x0, x1 = _unpack_bf16x2(w.to(tl.uint32, bitcast=True))
-    g0 = tl.load(w_ptr + 2 * col, mask=col_ok, other=0.0)[None, :, :]
-    g1 = tl.load(w_ptr + 2 * col + 1, mask=col_ok, other=0.0)[None, :, :]
-    # RMSNorm: fp32 statistics, (x * rstd) then * weight, one bf16 rounding
-    ms = tl.sum(tl.sum(x0 * x0 + x1 * x1, axis=2), axis=1) * (1.0 / D)
-    rstd = tl.math.div_rn(tl.full(ms.shape, 1.0, tl.float32), tl.sqrt_rn(ms + eps))  # torch.rsqrt on CPU
-    rstd = tl.expand_dims(tl.expand_dims(rstd, 1), 2)
-    y0 = _round_bf16(g0 * (x0 * rstd), HW)
-    y1 = _round_bf16(g1 * (x1 * rstd), HW)
-    # RoPE on the last rd dims (pairs never straddle a quant block: BLOCK is even), bf16 rounding
-    p = col - PAIR0
-    rot = tok_ok[:, None, None] & ((p >= 0) & (p < D // 2 - PAIR0))[None, :, :]
-    y0, y1 = _rotate(y0, y1, c, s, rot)
-    # FP8 round trip; padded columns are zeros and never raise a block's amax. The results have
-    # at most 4 significant bits, so packing them into bf16 is exact.
-    q0, q1 = _fp8_qdq_pairs(_round_bf16(y0, HW), _round_bf16(y1, HW), HW)
-    out = _pack_bf16x2(q0, q1, HW).to(tl.int32, bitcast=True)
-    tl.store(out_ptr + t[:, None, None] * stride_om + col[None, :, :], out, mask=mask)
-    if STORE:
-        _store_rows(cache_ptr, slot_ptr, t, tok_ok, col, col_ok, out, S, stride_slot, stride_cache)
-
-
 @triton.jit(do_not_specialize=["M", "S"])
 def _kv_rope_quant_kernel(
     kv_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, cache_ptr, M, S, eps,
@@ -296,46 +245,33 @@ def _kv_rope_quant_kernel(
 ):
     # tile [BLOCK_T tokens, NB quant blocks, BLOCK/2 words]; kv/out/cache pointers and strides in words
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    w, c, s = _kv_load(kv_ptr, cos_ptr, sin_ptr, t, M, stride_km, stride_cm, stride_cp, stride_sm, stride_sp,
-                       D, PAIR0, BLOCK, NB)
-    _kv_compute_store(w, c, s, t, w_ptr, slot_ptr, out_ptr, cache_ptr, M, S, eps, stride_om, stride_slot,
-                      stride_cache, D, PAIR0, BLOCK, NB, STORE, HW)
-
-
-@triton.jit(do_not_specialize=["M", "S", "NBLK"])
-def _kv_rope_quant_persistent_kernel(
-    kv_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, cache_ptr, M, S, NBLK, eps,
-    stride_km, stride_om, stride_cm, stride_cp, stride_sm, stride_sp, stride_slot, stride_cache,
-    D: tl.constexpr, PAIR0: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
-    BLOCK_T: tl.constexpr, STORE: tl.constexpr, HW: tl.constexpr,
-):
-    # Same per-token arithmetic as ``_kv_rope_quant_kernel``; a program walks token blocks
-    # pid, pid + nprog, ... and issues the loads of its next block before computing this one.
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    r = tl.arange(0, BLOCK_T).to(tl.int64)
-    t = pid * BLOCK_T + r  # block index * BLOCK_T < M fits int32; the sum is int64
-    w, c, s = _kv_load(kv_ptr, cos_ptr, sin_ptr, t, M, stride_km, stride_cm, stride_cp, stride_sm, stride_sp,
-                       D, PAIR0, BLOCK, NB)
-    for blk in range(pid, NBLK, nprog):
-        t_next = (blk + nprog) * BLOCK_T + r  # rows >= M load nothing
-        w_n, c_n, s_n = _kv_load(kv_ptr, cos_ptr, sin_ptr, t_next, M, stride_km, stride_cm, stride_cp,
-                                 stride_sm, stride_sp, D, PAIR0, BLOCK, NB)
-        _kv_compute_store(w, c, s, blk * BLOCK_T + r, w_ptr, slot_ptr, out_ptr, cache_ptr, M, S,
-                          eps, stride_om, stride_slot, stride_cache, D, PAIR0, BLOCK, NB, STORE, HW)
-        w, c, s = w_n, c_n, s_n
-
-
-_SMS: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
+    tok_ok = t < M
+    col = tl.arange(0, NB)[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]  # word = pair index
+    col_ok = col < D // 2
+    mask = tok_ok[:, None, None] & col_ok[None, :, :]
+    w = tl.load(kv_ptr + t[:, None, None] * stride_km + col[None, :, :], mask=mask, other=0)
+    x0, x1 = _unpack_bf16x2(w.to(tl.uint32, bitcast=True))
+    g0 = tl.load(w_ptr + 2 * col, mask=col_ok, other=0.0)[None, :, :]
+    g1 = tl.load(w_ptr + 2 * col + 1, mask=col_ok, other=0.0)[None, :, :]
+    # RMSNorm: fp32 statistics, (x * rstd) then * weight, one bf16 rounding
+    ms = tl.sum(tl.sum(x0 * x0 + x1 * x1, axis=2), axis=1) * (1.0 / D)
+    rstd = tl.math.div_rn(tl.full((BLOCK_T,), 1.0, tl.float32), tl.sqrt_rn(ms + eps))  # torch.rsqrt on CPU
+    rstd = tl.expand_dims(tl.expand_dims(rstd, 1), 2)
+    y0 = _round_bf16(g0 * (x0 * rstd), HW)
+    y1 = _round_bf16(g1 * (x1 * rstd), HW)
+    # RoPE on the last rd dims (pairs never straddle a quant block: BLOCK is even), bf16 rounding
+    p = col - PAIR0
+    rot = tok_ok[:, None, None] & ((p >= 0) & (p < D // 2 - PAIR0))[None, :, :]
+    c = tl.load(cos_ptr + t[:, None, None] * stride_cm + p[None, :, :] * stride_cp, mask=rot, other=0.0)
+    s = tl.load(sin_ptr + t[:, None, None] * stride_sm + p[None, :, :] * stride_sp, mask=rot, other=0.0)
+    y0, y1 = _rotate(y0, y1, c, s, rot)
+    # FP8 round trip; padded columns are zeros and never raise a block's amax. The results have
+    # at most 4 significant bits, so packing them into bf16 is exact.
+    q0, q1 = _fp8_qdq_pairs(_round_bf16(y0, HW), _round_bf16(y1, HW), HW)
+    out = _pack_bf16x2(q0, q1, HW).to(tl.int32, bitcast=True)
+    tl.store(out_ptr + t[:, None, None] * stride_om + col[None, :, :], out, mask=mask)
+    if STORE:
+        _store_rows(cache_ptr, slot_ptr, t, tok_ok, col, col_ok, out, S, stride_slot, stride_cache)
 
 
 def kv_rope_quant(
@@ -356,18 +292,11 @@ def kv_rope_quant(
     if not store:  # placeholders the STORE=False kernel never touches
         cache, slots = out, out.new_empty((0,), dtype=torch.int64)
     kw, ow, cw = as_words(kv), as_words(out), as_words(cache)
-    nblk = triton.cdiv(m, block_t)
-    strides = (kw.stride(0), ow.stride(0), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-               slots.stride(0), cw.stride(0))
-    meta = dict(D=d, PAIR0=(d - rd) // 2, BLOCK=block, NB=triton.next_power_of_2(d // block), BLOCK_T=block_t,
-                STORE=store, HW=cfg.get("HW", not INTERPRET), num_warps=cfg["num_warps"], enable_fp_fusion=False)
-    persist = cfg.get("PERSIST", 0)  # programs per SM; 0: one program per token block
-    if persist:
-        grid = min(nblk, persist * _sm_count(kv.device))
-        _kv_rope_quant_persistent_kernel[(grid,)](
-            kw, weight, cos, sin, slots, ow, cw, m, cache.shape[0] if store else 0, nblk, float(eps), *strides,
-            **meta)
-    else:
-        _kv_rope_quant_kernel[(nblk,)](
-            kw, weight, cos, sin, slots, ow, cw, m, cache.shape[0] if store else 0, float(eps), *strides, **meta)
+    _kv_rope_quant_kernel[(triton.cdiv(m, block_t),)](
+        kw, weight, cos, sin, slots, ow, cw, m, cache.shape[0] if store else 0, float(eps),
+        kw.stride(0), ow.stride(0), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+        slots.stride(0), cw.stride(0),
+        D=d, PAIR0=(d - rd) // 2, BLOCK=block, NB=triton.next_power_of_2(d // block),
+        BLOCK_T=block_t, STORE=store, HW=cfg.get("HW", not INTERPRET), num_warps=cfg["num_warps"], enable_fp_fusion=False,
+    )
     return out
