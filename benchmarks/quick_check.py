@@ -44,7 +44,7 @@ def kv(m: int) -> None:
     roof = (3 * m * d * 2 + m * rd * 4 + m * 8) / BANDWIDTH * 1e3
     row("kv", f"roofline M={m}", "", roof)
     for cfg in [rk.KV_DEFAULT, *(c for c in rk.CANDIDATES["kv_rope_quant_store"]
-                                 if c["num_warps"] <= 4 and c["BLOCK_T"] <= 4)]:
+                                 if c["num_warps"] <= 4 and c["BLOCK_T"] >= 2)]:
         run = lambda cfg=cfg: rk.kv_rope_quant(kv_in, w, 1e-6, cos, sin, block, cache, slots,  # noqa: E731
                                                batch_invariant=False, config=cfg)
         same = torch.equal(run().view(torch.int16), base.view(torch.int16))
@@ -65,7 +65,7 @@ def post(m: int) -> None:
     base = tk.mhc_post(y, res, post_w, comb, batch_invariant=True)
     roof = m * d * 2 * (4 + 1 + 4) / BANDWIDTH * 1e3
     row("post", f"roofline M={m}", "", roof)
-    for cfg in tk.CANDIDATES["mhc_post"]:
+    for cfg in [tk.DEFAULTS["mhc_post"], *(c for c in tk.CANDIDATES["mhc_post"] if c["BLOCK_D"] == 1024)]:
         run = lambda cfg=cfg: tk.mhc_post(y, res, post_w, comb, batch_invariant=False, config=cfg)  # noqa: E731
         same = torch.equal(run(), base)
         t = time_ms(run)
@@ -80,27 +80,53 @@ def mhc(m: int) -> None:
     d = 5120
     g = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(m, 4, d, device="cuda", generator=g).bfloat16()
+    y = torch.randn(m, d, device="cuda", generator=g).bfloat16()
     fn = torch.randn(24, 4 * d, device="cuda", generator=g) / (4 * d) ** 0.5
     scale, base = torch.rand(3, device="cuda") + 0.5, torch.randn(24, device="cuda") * 0.5
     pre_prev, w = torch.rand(m, 4, device="cuda") + 0.1, torch.rand(d, device="cuda") + 0.5
+    post_w, comb = torch.rand(m, 4, device="cuda") * 2, torch.rand(m, 4, 4, device="cuda")
     parts = build_parts(fn)
-    rows = slice(0, 2048)
-    exact = h[rows].flatten(1).double() @ fn.double().t()
-    exact = exact * torch.rsqrt(h[rows].double().flatten(1).square().mean(-1, keepdim=True) + 1e-6)
-    configs = {"default": None, "BLOCK_M 128, 8 warps": dict(BLOCK_M=128, num_warps=8, num_stages=3),
-               "BLOCK_M 256, 8 warps": dict(BLOCK_M=256, num_warps=8, num_stages=2)}
-    base_x = None
+    roof = m * d * 2 * (4 + 1) / BANDWIDTH * 1e3
+    row("mhc_pre", f"roofline M={m}", "", roof)
+    d0 = tk.DEFAULTS["mhc_pre"]
+    configs = {"default (finish=last)": d0, "finish=kernel": dict(d0, finish="kernel"),
+               "BM 128, 8 warps, finish=kernel": dict(BLOCK_M=128, num_warps=8, num_stages=3, finish="kernel"),
+               "BM 128, 4 warps, finish=kernel": dict(BLOCK_M=128, num_warps=4, num_stages=2, finish="kernel")}
+    base_out = None
     for name, cfg in configs.items():
-        mixes = tk.stats_mixes(h, parts, scale, base, 20, 1e-6, 1e-6, config=cfg)[rows].double()
-        err = ((mixes - exact).norm() / exact.norm()).item()
-        run = lambda cfg=cfg: tk.mhc_pre(h, pre_prev, parts, scale, base, w, 20, 1e-6, 1e-6, 1e-6,  # noqa: E731
-                                         batch_invariant=False, config=cfg)
-        x = run()[0]
-        base_x = x if base_x is None else base_x
-        row("mhc_pre", f"M={m} {name}", f"mixes {err:.2e}, x same {torch.equal(x, base_x)}", time_ms(run))
-        stats = lambda cfg=cfg: tk.mhc_stats(h, parts, scale, base, 20, 1e-6, 1e-6,  # noqa: E731
-                                             batch_invariant=False, config=cfg)
-        row("mhc_pre", f"M={m} {name}: stats alone", "", time_ms(stats))
+        def run(cfg=cfg):
+            return tk.mhc_pre(h, pre_prev, parts, scale, base, w, 20, 1e-6, 1e-6, 1e-6, batch_invariant=False,
+                              config=cfg)
+
+        out = run()
+        base_out = out if base_out is None else base_out
+        same = all(torch.equal(a, b) for a, b in zip(out, base_out))
+        t = time_ms(run)
+        row("mhc_pre", f"M={m} {name}", f"same bits {same}", t, f"{100 * roof / t:.0f}%")
+    t = time_ms(lambda: tk.mhc_stats(h, parts, scale, base, 20, 1e-6, 1e-6, batch_invariant=False))
+    row("mhc_pre", f"M={m} stats alone (default)", "", t)
+    broof = m * d * 2 * (4 + 1 + 4 + 1) / BANDWIDTH * 1e3
+    row("boundary", f"roofline M={m}", "", broof)
+    d0 = tk.DEFAULTS["mhc_boundary"]
+    base_out = None
+    for name, cfg in {"default (finish=last)": d0, "finish=kernel": dict(d0, finish="kernel")}.items():
+        def fused(cfg=cfg):
+            return tk.mhc_boundary(y, h, post_w, comb, pre_prev, parts, scale, base, w, 20, 1e-6, 1e-6, 1e-6,
+                                   batch_invariant=False, config=cfg)
+
+        out = fused()
+        base_out = out if base_out is None else base_out
+        same = all(torch.equal(a, b) for a, b in zip(out, base_out))
+        t = time_ms(fused)
+        row("boundary", f"M={m} mhc_boundary {name}", f"same bits {same}", t, f"{100 * broof / t:.0f}%")
+
+    def post_then_pre():
+        new = tk.mhc_post(y, h, post_w, comb, batch_invariant=False)
+        return tk.mhc_pre(new, pre_prev, parts, scale, base, w, 20, 1e-6, 1e-6, 1e-6, batch_invariant=False,
+                          config=dict(tk.DEFAULTS["mhc_pre"], finish="kernel"))
+
+    t = time_ms(post_then_pre)
+    row("boundary", f"M={m} post + mhc_pre finish=kernel", "", t, f"{100 * broof / t:.0f}%")
 
 
 def wo_a(m: int) -> None:
@@ -118,9 +144,11 @@ def wo_a(m: int) -> None:
     big = dict(BM=128, BN=256, BK=64, stages=4, threads=256, one_loop=True)
     variants = [("default", tw.default_config(m), rd)]
     variants += [(",".join(f"{k}={v}" for k, v in c.items() if k not in ("BK", "one_loop", "threads")), c, rd)
-                 for c in tw.CANDIDATES[tw.TACTIC_OP] if c.get("one_loop") and c["BM"] == 128]
-    variants += [("no rope (GEMM alone) 128x256 4st", big, 0),
-                 ("no rope (GEMM alone) 128x256 3st", dict(big, stages=3), 0)]
+                 for c in tw.CANDIDATES[tw.TACTIC_OP]
+                 if c.get("one_loop") and (c["BM"] == 128 and c["BN"] == 256) == (m > 1024)]
+    if m > 1024:
+        variants += [("no rope (GEMM alone) 128x256 4st", big, 0),
+                     ("no rope (GEMM alone) 128x256 3st", dict(big, stages=3), 0)]
     for name, cfg, rdim in variants:
         c_, s_ = (cos, sin) if rdim else (None, None)
 
@@ -144,7 +172,7 @@ def wo_a(m: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, nargs="+", default=[65536])
-    ap.add_argument("--only", nargs="*", default=["kv", "post", "wo_a"])
+    ap.add_argument("--only", nargs="*", default=["kv", "post", "wo_a", "mhc"])
     args = ap.parse_args()
     import dsv41_passes  # noqa: F401  (registers the ops)
 

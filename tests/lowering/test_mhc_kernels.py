@@ -264,6 +264,23 @@ def test_configs_do_not_change_bits():
         assert_equal(post_op(t, config=cfg), base_p, f"post {cfg}")
 
 
+@pytest.mark.parametrize("weight", ["w", None])
+def test_finish_kernel_gives_the_last_arriver_bits(weight):
+    """``finish="kernel"`` (the reduction and the norm as a second launch, spread over column parts)
+    computes exactly what the last slice program of each row block computes; 150 rows = 2 row blocks,
+    each normalized in 2 column parts on CPU (more on a GPU)."""
+    from dsv41_passes.lowering.triton.mhc_projection import _finish_parts, _norm_block
+
+    assert _finish_parts(D, _norm_block(D, 128)) >= 2
+    t = make_inputs(150, D, seed=9)
+    last = dict(BLOCK_M=128, num_warps=4, num_stages=1)
+    kern = dict(last, finish="kernel")
+    for name, fn in (("stats", lambda **kw: stats(t, **kw)), ("pre", lambda **kw: pre_op(t, weight, **kw)),
+                     ("boundary", lambda **kw: boundary_op(t, weight, **kw))):
+        for i, (a, b) in enumerate(zip(fn(config=last), fn(config=kern))):
+            assert_equal(a, b, f"{name} output {i}")
+
+
 def test_default_configs_keep_wgmma_rows():
     for op in ("mhc_stats", "mhc_pre", "mhc_boundary"):
         for cfg in [tk.DEFAULTS[op], *tk.CANDIDATES[op]]:
@@ -355,12 +372,12 @@ def _sm90_builds(d: int = 5120) -> tuple[list[str], list[dict]]:
     bf16 = ("h_ptr", "y_ptr", "new_ptr", "x_ptr", "parts_ptr", "res_ptr", "out_ptr")
     names, builds = [], []
 
-    def add(name, kernel, pointers, floats, consts, **options):
+    def add(name, kernel, pointers, floats, consts, module=mod, **options):
         types = {n: ("*bf16" if n in bf16 else "*i32" if n == "count_ptr" else "*fp32") for n in pointers}
         types |= {n: "fp32" for n in floats}
         aligned = ["stride_h", "stride_y", "stride_n", "stride_x", "stride_r", "stride_o"]
         names.append(name)
-        builds.append(dict(module=mod, kernel=kernel, types=types, aligned=aligned, constexprs=consts,
+        builds.append(dict(module=module, kernel=kernel, types=types, aligned=aligned, constexprs=consts,
                            options={**tk.LAUNCH_OPTIONS, **options}))
 
     proj_ptrs = ("h_ptr y_ptr post_in_ptr comb_in_ptr new_ptr pre_prev_ptr x_ptr w_ptr parts_ptr scale_ptr base_ptr "
@@ -370,19 +387,31 @@ def _sm90_builds(d: int = 5120) -> tuple[list[str], list[dict]]:
     variants = {(c["BLOCK_M"], c["num_warps"]) for c in tk.CANDIDATES["mhc_pre"]}
     for bm, warps in sorted(variants):
         consts = dict(D=d, BK=bk, BM=bm, XB=tk._norm_block(d, bm), BOUNDARY=False, COLLAPSE=True, NORM=True,
-                      MIXES=False, INTERP=False)
+                      MIXES=False, FINISH=True, INTERP=False)
         add(f"pre {bm}x{warps}", "_proj_kernel", proj_ptrs, floats, consts, num_warps=warps, num_stages=3)
+    cfg = tk.DEFAULTS["mhc_pre"]
+    bm = cfg["BLOCK_M"]
+    add("pre finish=kernel", "_proj_kernel", proj_ptrs, floats,
+        dict(D=d, BK=bk, BM=bm, XB=tk._norm_block(d, bm), BOUNDARY=False, COLLAPSE=True, NORM=True, MIXES=False,
+             FINISH=False, INTERP=False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    xb = tk._norm_block(d, bm)
+    add("finish kernel", "_finish_kernel",
+        "x_ptr w_ptr scale_ptr base_ptr pre_ptr post_ptr comb_ptr mix_ptr ws_ptr ss_ptr xss_ptr".split(), floats,
+        dict(D=d, BM=bm, XB=xb, NC=d // xb // 16, NORM=True, MIXES=False, INTERP=False),
+        module="dsv41_passes.lowering.triton.mhc_projection", num_warps=4)
     cfg = tk.DEFAULTS["mhc_boundary"]
     add("boundary", "_proj_kernel", proj_ptrs, floats,
         dict(D=d, BK=bk, BM=cfg["BLOCK_M"], XB=tk._norm_block(d, cfg["BLOCK_M"]), BOUNDARY=True, COLLAPSE=True,
-             NORM=True, MIXES=False, INTERP=False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+             NORM=True, MIXES=False, FINISH=True, INTERP=False), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     cfg = tk.DEFAULTS["mhc_collapse"]
     for norm in (False, True):
         add(f"collapse norm={norm}", "_collapse_kernel", ("h_ptr", "pre_ptr", "w_ptr", "x_ptr"), ("eps",),
             dict(D=d, BK=bk, BLOCK_R=cfg["BLOCK_R"], XB=tk._norm_block(d, cfg["BLOCK_R"]), NORM=norm, INTERP=False),
             num_warps=cfg["num_warps"])
     cfg = tk.DEFAULTS["mhc_post"]
-    post = dict(D=d, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"], INTERP=False)
+    post = dict(D=d, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"], STORE_CACHE=cfg.get("store_cache", ""),
+                INTERP=False)
     post_ptrs = ("y_ptr", "res_ptr", "post_ptr", "comb_ptr", "out_ptr")
     add("post", "_post_kernel", post_ptrs, (), post, num_warps=cfg["num_warps"])
     add("post with FMA contraction", "_post_kernel", post_ptrs, (), post, num_warps=cfg["num_warps"],
@@ -403,7 +432,7 @@ def test_triton_sm90_builds_one_wgmma_shape_and_no_fma():
     names, builds = _sm90_builds()
     built = dict(zip(names, build_sm90(builds)))
     pre = [n for n in names if n.startswith("pre ")]
-    assert len(pre) >= 3, pre
+    assert len(pre) >= 4, pre
     for n in pre:
         ins = instructions(built[n]["ptx"])
         found = sorted({i.split()[0] for i in ins if i.startswith("wgmma.mma_async")})
@@ -415,7 +444,7 @@ def test_triton_sm90_builds_one_wgmma_shape_and_no_fma():
     default = tk.DEFAULTS["mhc_pre"]
     usage = built[f"pre {default['BLOCK_M']}x{default['num_warps']}"]["usage"]
     assert usage and usage["STACK"] == 0 and usage["REG"] <= 255, usage
-    for n in ("collapse norm=False", "collapse norm=True", "post"):
+    for n in ("collapse norm=False", "collapse norm=True", "post", "finish kernel"):
         assert built[n]["usage"]["STACK"] == 0, (n, built[n]["usage"])
     for n, b in built.items():
         # the kernels' only FMAs are their explicit sums of squares, ``tl.fma(x, x, acc)``

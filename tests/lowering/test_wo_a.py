@@ -268,8 +268,8 @@ out["decode"] = tw.lower_source(g, r, hpg, d, rd, dict(tw.default_config(1), BN=
 one_loop = [c for c in tw.CANDIDATES[tw.TACTIC_OP] if c.get("one_loop")]
 big = max(one_loop, key=lambda c: (c["BM"] * c["BN"], c["stages"]))
 out["one_loop"] = tw.compile_kernel(g, r, hpg, d, rd, big).get_kernel_source()  # nvcc, sm_90a
-cs = max((c for c in one_loop if c.get("cs_shared")), key=lambda c: (c["BM"] * c["BN"], c["stages"]))
-out["one_loop_cs_shared"] = tw.compile_kernel(g, r, hpg, d, rd, cs).get_kernel_source()  # nvcc, sm_90a
+regs = max((c for c in one_loop if c.get("rope_regs")), key=lambda c: (c["BM"] * c["BN"], c["stages"]))
+out["one_loop_rope_regs"] = tw.compile_kernel(g, r, hpg, d, rd, regs).get_kernel_source()  # nvcc, sm_90a
 json.dump(out, sys.stdout)
 """
 
@@ -301,9 +301,10 @@ def test_tilelang_compiles_for_sm90a(tmp_path):
     # one K loop: warpgroups split the 128 x 256 tile by rows (wgmma m64n256), rope chunks in place
     one = sources["one_loop"]
     assert "tma_load" in one and "64, 256, 16, false" in one and "x1 * c" in one
-    # the cos/sin variant reads them from shared memory inside the loop, not from global
-    cs = sources["one_loop_cs_shared"]
-    assert "64, 256, 16, false" in cs and "x1 * c" in cs and cs.count("CS[") < one.count("CS[")
+    # rope chunks de-rotated into registers: a register-A wgmma next to the shared-A one
+    regs = sources["one_loop_rope_regs"]
+    assert "wgmma_rs" in regs and "wgmma_ss" in regs and "x * c" in regs
+    assert "wgmma_rs" not in one
 
 
 # ------------------------------------------------------------------ GPU

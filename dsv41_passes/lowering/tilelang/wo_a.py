@@ -52,9 +52,9 @@ CANDIDATES: dict[str, list[dict]] = {
         for bm, bn, s, t in [(64, 128, 4, 128), (64, 256, 4, 128), (128, 128, 4, 256), (128, 256, 3, 256),
                              (128, 256, 4, 256)]
     ]
-    + [  # the same with cos/sin copied to shared memory once per tile
-        dict(BM=128, BN=bn, BK=64, stages=s, threads=256, one_loop=True, cs_shared=True)
-        for bn, s in [(128, 4), (256, 3), (256, 4)]
+    + [  # the same with the rope chunk de-rotated into registers (wgmma with A from registers)
+        dict(BM=bm, BN=bn, BK=64, stages=s, threads=t, one_loop=True, rope_regs=True)
+        for bm, bn, s, t in [(64, 64, 4, 128), (64, 128, 4, 128), (128, 256, 3, 256), (128, 256, 4, 256)]
     ]
 }
 BATCH_INVARIANT_CONFIG = dict(BM=128, BN=128, BK=64, stages=4, threads=256)
@@ -167,11 +167,11 @@ def build(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN: int, BK:
 
 
 def build_one_loop(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN: int, BK: int, stages: int,
-                   threads: int, cs_shared: bool = False):
-    """Variant (config ``one_loop=True``): one warp-specialized K loop over every chunk; a head's rope
-    chunk is de-rotated in place in its pipeline stage before its gemm, and the warpgroups split the
-    tile by rows (wgmma ``m64 x BN``). cos/sin are read from global at each rope chunk, or with
-    ``cs_shared`` copied to shared memory once before the loop."""
+                   threads: int, rope_regs: bool = False):
+    """Variant (config ``one_loop=True``): one warp-specialized K loop over every chunk; the warpgroups
+    split the tile by rows (wgmma ``m64 x BN``). A head's rope chunk is de-rotated in place in its
+    pipeline stage before its gemm, or with ``rope_regs`` into a register fragment that feeds the
+    wgmma as its A operand (each thread de-rotates its own elements: no barrier, the stage is read only)."""
     import tilelang.language as T
 
     bf16, f32 = T.bfloat16, T.float32
@@ -194,30 +194,41 @@ def build_one_loop(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN:
             a_s = T.alloc_shared((BM, BK), bf16)
             b_s = T.alloc_shared((BN, BK), bf16)
             acc = T.alloc_fragment((BM, BN), f32)
+            if rope_regs:
+                a_r = T.alloc_fragment((BM, BK), bf16)
             col0 = (bx * BN // r) * K
-            if cs_shared:
-                cs_s = T.alloc_shared((BM, cs_cols), f32)
-                T.copy(CS[by * BM, 0], cs_s)
             T.clear(acc)
             for t in T.Pipelined(hpg * chunks, num_stages=stages):
                 k0 = (t // chunks) * d + (t % chunks) * BK
                 T.copy(O[by * BM, col0 + k0], a_s)
                 T.copy(W[bx * BN, k0], b_s)
                 if RD > 0 and t % chunks == chunks - 1:
-                    for i, p in T.Parallel(BM, half):
-                        # pair (2p, 2p+1) of the tail: y0 = x0*c + x1*s, y1 = x1*c - x0*s
-                        if cs_shared:  # rows >= M hold whatever; their results are never stored
-                            c = cs_s[i, 2 * p]
-                            s = cs_s[i, 2 * p + 1]
-                        else:
+                    if rope_regs:
+                        for i, j in T.Parallel(BM, BK):
+                            # pair (2p, 2p+1) of the tail: y0 = x0*c + x1*s, y1 = x1*c - x0*s
+                            jr = T.max(j - rope_from, 0)
+                            odd = jr % 2
+                            live = by * BM + i < M
+                            c = T.if_then_else(live, CS[by * BM + i, jr - odd], 0.0)
+                            s = T.if_then_else(live, CS[by * BM + i, jr - odd + 1], 0.0)
+                            x = T.cast(a_s[i, j], f32)
+                            xp = T.cast(a_s[i, j + 1 - 2 * odd], f32)
+                            a_r[i, j] = T.if_then_else(
+                                j >= rope_from, T.cast(x * c + xp * T.if_then_else(odd == 1, -s, s), bf16), a_s[i, j]
+                            )
+                        T.gemm(a_r, b_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    else:
+                        for i, p in T.Parallel(BM, half):
                             live = by * BM + i < M
                             c = T.if_then_else(live, CS[by * BM + i, 2 * p], 0.0)
                             s = T.if_then_else(live, CS[by * BM + i, 2 * p + 1], 0.0)
-                        x0 = T.cast(a_s[i, rope_from + 2 * p], f32)
-                        x1 = T.cast(a_s[i, rope_from + 2 * p + 1], f32)
-                        a_s[i, rope_from + 2 * p] = T.cast(x0 * c + x1 * s, bf16)
-                        a_s[i, rope_from + 2 * p + 1] = T.cast(x1 * c - x0 * s, bf16)
-                T.gemm(a_s, b_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                            x0 = T.cast(a_s[i, rope_from + 2 * p], f32)
+                            x1 = T.cast(a_s[i, rope_from + 2 * p + 1], f32)
+                            a_s[i, rope_from + 2 * p] = T.cast(x0 * c + x1 * s, bf16)
+                            a_s[i, rope_from + 2 * p + 1] = T.cast(x1 * c - x0 * s, bf16)
+                        T.gemm(a_s, b_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                else:
+                    T.gemm(a_s, b_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
             T.copy(acc, Z[by * BM, bx * BN])
 
     return wo_a_one_loop_kernel

@@ -63,7 +63,8 @@ CANDIDATES: dict[str, list[dict]] = {
         for b in (512, 1024, 2048)
         for w in (4, 8)
         if r * b <= 4096
-    ],
+    ]
+    + [dict(BLOCK_R=r, BLOCK_D=1024, num_warps=8, store_cache=".cs") for r in (1, 4)],  # streaming stores
     "mhc_collapse": [dict(BLOCK_R=r, num_warps=w) for r in (16, 32, 64) for w in (4, 8)],
     "mhc_stats": _PROJ_CANDIDATES + _WIDE,
     "mhc_pre": _PROJ_CANDIDATES + _WIDE,
@@ -158,12 +159,18 @@ def _normalize_rows(x_ptr, w_ptr, rows, rmask, stride_x, sumsq, eps,
                     D: tl.constexpr, XB: tl.constexpr, CACHE: tl.constexpr, INTERP: tl.constexpr):
     """x <- bf16(w * (x * rsqrt(sumsq / D + eps))) in place (x was written by this launch; CACHE ".cg"
     reads it from L2 when other programs wrote parts of it)."""
+    _normalize_cols(x_ptr, w_ptr, rows, rmask, stride_x, sumsq, eps, 0, D // XB, D, XB, CACHE, INTERP)
+
+
+@triton.jit
+def _normalize_cols(x_ptr, w_ptr, rows, rmask, stride_x, sumsq, eps, c0,
+                    NC: tl.constexpr, D: tl.constexpr, XB: tl.constexpr, CACHE: tl.constexpr, INTERP: tl.constexpr):
+    """``_normalize_rows`` on the columns ``[c0, c0 + NC * XB)`` only."""
     rstd = (1.0 / tl.sqrt_rn(sumsq / D + eps))[:, None]
-    for c in range(D // XB):
-        cols = c * XB + tl.arange(0, XB)
+    for c in range(NC):
+        cols = c0 + c * XB + tl.arange(0, XB)
         ptrs = x_ptr + rows[:, None] * stride_x + cols[None, :]
         xv = tl.load(ptrs, mask=rmask[:, None], other=0.0, cache_modifier=CACHE).to(tl.float32)
         wv = tl.load(w_ptr + cols).to(tl.float32)
         out = rne_bf16(wv[None, :] * (xv * rstd), INTERP)
         tl.store(ptrs, out.to(x_ptr.dtype.element_ty), mask=rmask[:, None])
-

@@ -19,6 +19,7 @@ from .mhc_common import (
     NMIX,
     _combine,
     _norm_block,
+    _normalize_cols,
     _normalize_rows,
     _round_bf16,
     _row_sum,
@@ -132,9 +133,10 @@ def _proj_kernel(
     iters, hc_eps, norm_eps, eps,
     D: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, XB: tl.constexpr,
     BOUNDARY: tl.constexpr, COLLAPSE: tl.constexpr, NORM: tl.constexpr, MIXES: tl.constexpr,
-    INTERP: tl.constexpr,
+    FINISH: tl.constexpr, INTERP: tl.constexpr,
 ):
-    """One (row block, K slice) per program; the last slice program of a row block to finish reduces it.
+    """One (row block, K slice) per program; the last slice program of a row block to finish reduces it
+    (FINISH; otherwise ``_finish_kernel``, launched next, does).
 
     BOUNDARY: h is ``post(y, res, post_in, comb_in)``, computed here and written once to new_ptr.
     COLLAPSE: also ``x = bf16(sum_j pre_prev_j h_j)`` (NORM: then RMSNorm of x, finished in place).
@@ -199,6 +201,8 @@ def _proj_kernel(
     tl.store(ss_ptr + pid * BM + r, _row_sum(ssq, BM, BK))
     if NORM:
         tl.store(xss_ptr + pid * BM + r, _row_sum(xsq, BM, BK))
+    if not FINISH:
+        return
     # the 16th slice program of this row block to get here reduces it (all 16 partials are then visible)
     tl.debug_barrier()
     arrived = tl.atomic_add(count_ptr + rb, 1, sem="acq_rel", scope="gpu")
@@ -211,6 +215,38 @@ def _proj_kernel(
             for s2 in range(_S):
                 xs += tl.load(xss_ptr + (slot0 + s2) * BM + r, cache_modifier=".cg")
             _normalize_rows(x_ptr, w_ptr, rows, rmask, stride_x, xs, eps, D, XB, ".cg", INTERP)
+
+
+@triton.jit(do_not_specialize=["M", "iters"])
+def _finish_kernel(
+    x_ptr, w_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, mix_ptr, ws_ptr, ss_ptr, xss_ptr,
+    M, stride_x, iters, hc_eps, norm_eps, eps,
+    D: tl.constexpr, BM: tl.constexpr, XB: tl.constexpr, NC: tl.constexpr, NORM: tl.constexpr,
+    MIXES: tl.constexpr, INTERP: tl.constexpr,
+):
+    """The reduction of ``_proj_kernel`` (FINISH=False) as its own launch: program (row block, column
+    part) normalizes NC * XB columns of x; column part 0 also finishes the stats. Same arithmetic as the
+    last-arriver path, spread over more programs (the serial tail of one program per row block is gone)."""
+    rb = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    r = tl.arange(0, BM)
+    rows = rb * BM + r
+    rmask = rows < M
+    slot0 = rb * _S
+    if part == 0:
+        _finish_stats(ws_ptr, ss_ptr, slot0, rows, rmask, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
+                      mix_ptr, iters, hc_eps, norm_eps, 4 * D, BM, MIXES)
+    if NORM:
+        xs = tl.zeros((BM,), tl.float32)
+        for s2 in range(_S):
+            xs += tl.load(xss_ptr + (slot0 + s2) * BM + r)
+        _normalize_cols(x_ptr, w_ptr, rows, rmask, stride_x, xs, eps, part * NC * XB, NC, D, XB, "", INTERP)
+
+
+def _finish_parts(d: int, xb: int) -> int:
+    """Column parts of ``_finish_kernel``: the most parts up to 16 that split the XB-chunks evenly."""
+    chunks = d // xb
+    return max(p for p in range(1, 17) if chunks % p == 0)
 
 
 def _launch_proj(
@@ -252,6 +288,8 @@ def _launch_proj(
     dummy = out["pre"]
     new_res = out.get("new_res", dummy)
     x = out.get("x", dummy)
+    # finish: "last" = the last slice program of a row block reduces it; "kernel" = a second launch
+    finish_last = cfg.get("finish", "last") == "last"
     _proj_kernel[(nblocks * NUM_SLICES,)](
         h, y if boundary else dummy, post_in.contiguous() if boundary else dummy,
         comb_in.contiguous() if boundary else dummy, new_res,
@@ -263,9 +301,19 @@ def _launch_proj(
         x.stride(0) if collapse else 0,
         int(iters), float(hc_eps), float(norm_eps), float(eps),
         D=d, BK=bk, BM=bm, XB=_norm_block(d, bm), BOUNDARY=boundary, COLLAPSE=collapse, NORM=norm, MIXES=mixes,
-        INTERP=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
+        FINISH=finish_last, INTERP=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
         **LAUNCH_OPTIONS,
     )
+    if not finish_last:
+        xb = _norm_block(d, bm)
+        parts_n = _finish_parts(d, xb) if norm else 1
+        _finish_kernel[(nblocks, parts_n)](
+            x, weight.contiguous() if norm else dummy, scale.contiguous(), base.contiguous(),
+            out["pre"], out["post"], out["comb"], out.get("mixes", dummy), ws, ss, xss,
+            m, x.stride(0) if collapse else 0, int(iters), float(hc_eps), float(norm_eps), float(eps),
+            D=d, BM=bm, XB=xb, NC=d // xb // parts_n, NORM=norm, MIXES=mixes, INTERP=INTERPRET,
+            num_warps=4, **LAUNCH_OPTIONS,
+        )
     return out
 
 
