@@ -410,8 +410,7 @@ def _sm90_builds(d: int = 5120) -> tuple[list[str], list[dict]]:
             dict(D=d, BK=bk, BLOCK_R=cfg["BLOCK_R"], XB=tk._norm_block(d, cfg["BLOCK_R"]), NORM=norm, INTERP=False),
             num_warps=cfg["num_warps"])
     cfg = tk.DEFAULTS["mhc_post"]
-    post = dict(D=d, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"], STORE_CACHE=cfg.get("store_cache", ""),
-                INTERP=False)
+    post = dict(D=d, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"], INTERP=False)
     post_ptrs = ("y_ptr", "res_ptr", "post_ptr", "comb_ptr", "out_ptr")
     add("post", "_post_kernel", post_ptrs, (), post, num_warps=cfg["num_warps"])
     add("post with FMA contraction", "_post_kernel", post_ptrs, (), post, num_warps=cfg["num_warps"],

@@ -68,7 +68,7 @@ from .mhc_projection import _proj_kernel, mhc_boundary, mhc_pre, mhc_stats, stat
 def _post_kernel(
     y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, M,
     stride_y, stride_r, stride_o,
-    D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, STORE_CACHE: tl.constexpr, INTERP: tl.constexpr,
+    D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INTERP: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -94,8 +94,7 @@ def _post_kernel(
             tl.load(cb + 8 + k, mask=rm, other=0.0)[:, None],
             tl.load(cb + 12 + k, mask=rm, other=0.0)[:, None],
         )
-        tl.store(obase + k * D, rne_bf16(out, INTERP).to(out_ptr.dtype.element_ty), mask=mask,
-                 cache_modifier=STORE_CACHE)
+        tl.store(obase + k * D, rne_bf16(out, INTERP).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def mhc_post(y, res, post, comb, *, batch_invariant: bool, config: dict | None = None) -> torch.Tensor:
@@ -113,8 +112,7 @@ def mhc_post(y, res, post, comb, *, batch_invariant: bool, config: dict | None =
     grid = (triton.cdiv(m, cfg["BLOCK_R"]), triton.cdiv(d, block_d))
     _post_kernel[grid](
         y, res, post, comb, out, m, y.stride(0), res.stride(0), out.stride(0),
-        D=d, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=block_d, STORE_CACHE=cfg.get("store_cache", ""), INTERP=INTERPRET,
-        num_warps=cfg["num_warps"],
+        D=d, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=block_d, INTERP=INTERPRET, num_warps=cfg["num_warps"],
         **LAUNCH_OPTIONS,
     )
     return out

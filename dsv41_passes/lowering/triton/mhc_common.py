@@ -24,12 +24,15 @@ _NP = tl.constexpr(NP)
 # and the dots lower to the same wgmma m64n32k16 chain, so a row's bits do not depend on the config.
 # Defaults: the configs the H200 tuning run of 2026-11-29 picked for pre and post at M = 65536
 # (benchmarks/results/mhc-tune-NVIDIA_H200-2026-11-29.json; its picks at 4096 and 128 differ).
+# finish="kernel": the reduction + norm of pre and boundary run as a second launch spread over
+# (row block, column part) programs instead of by the last slice program of each row block (same
+# bits; pre 1.75 vs 1.86 ms at M = 65536, 0.025 vs 0.056 ms at 128: run14-quick_check-mhc.log).
 DEFAULTS: dict[str, dict] = {
     "mhc_post": dict(BLOCK_R=1, BLOCK_D=1024, num_warps=8),
     "mhc_collapse": dict(BLOCK_R=32, num_warps=4),
     "mhc_stats": dict(BLOCK_M=64, num_warps=4, num_stages=3),
-    "mhc_pre": dict(BLOCK_M=64, num_warps=4, num_stages=3),
-    "mhc_boundary": dict(BLOCK_M=64, num_warps=4, num_stages=4),
+    "mhc_pre": dict(BLOCK_M=64, num_warps=4, num_stages=3, finish="kernel"),
+    "mhc_boundary": dict(BLOCK_M=64, num_warps=4, num_stages=4, finish="kernel"),
 }
 # Under the CPU interpreter every program costs milliseconds: fewer, larger tiles. Every config computes
 # the same bits (see the module docstring), so this changes the speed of the tests, not their results.
@@ -37,8 +40,8 @@ INTERPRETER_DEFAULTS: dict[str, dict] = {
     "mhc_post": dict(BLOCK_R=64, BLOCK_D=1024, num_warps=4),
     "mhc_collapse": dict(BLOCK_R=256, num_warps=4),
     "mhc_stats": dict(BLOCK_M=512, num_warps=8, num_stages=1),
-    "mhc_pre": dict(BLOCK_M=512, num_warps=8, num_stages=1),
-    "mhc_boundary": dict(BLOCK_M=512, num_warps=8, num_stages=1),
+    "mhc_pre": dict(BLOCK_M=512, num_warps=8, num_stages=1, finish="kernel"),
+    "mhc_boundary": dict(BLOCK_M=512, num_warps=8, num_stages=1, finish="kernel"),
 }
 
 
@@ -54,6 +57,7 @@ def default_config(op: str) -> dict:
 _PROJ_CANDIDATES = [
     dict(BLOCK_M=bm, num_warps=w, num_stages=st) for bm, w in ((64, 4), (128, 4), (128, 8)) for st in (2, 3, 4)
 ]
+_FINISH = [dict(c, finish="kernel") for c in _PROJ_CANDIDATES]
 # 256 rows halve the L2 traffic of the weight parts per row; the boundary's extra tiles do not fit there
 _WIDE = [dict(BLOCK_M=256, num_warps=8, num_stages=st) for st in (2, 3)]
 CANDIDATES: dict[str, list[dict]] = {
@@ -63,12 +67,11 @@ CANDIDATES: dict[str, list[dict]] = {
         for b in (512, 1024, 2048)
         for w in (4, 8)
         if r * b <= 4096
-    ]
-    + [dict(BLOCK_R=r, BLOCK_D=1024, num_warps=8, store_cache=".cs") for r in (1, 4)],  # streaming stores
+    ],
     "mhc_collapse": [dict(BLOCK_R=r, num_warps=w) for r in (16, 32, 64) for w in (4, 8)],
     "mhc_stats": _PROJ_CANDIDATES + _WIDE,
-    "mhc_pre": _PROJ_CANDIDATES + _WIDE,
-    "mhc_boundary": _PROJ_CANDIDATES,
+    "mhc_pre": _PROJ_CANDIDATES + _FINISH + _WIDE,
+    "mhc_boundary": _PROJ_CANDIDATES + _FINISH,
 }
 
 

@@ -35,9 +35,9 @@ from .common import INTERPRET
 
 # Launch configs worth timing per op (the tuner's search space). Defaults are M-independent.
 Q_DEFAULT = dict(BLOCK_T=1, BLOCK_H=4, num_warps=4)
-# KV: four tokens a program: 0.060 ms at M = 65536 on the H200 vs 0.105 for one token with 2 warps
-# (benchmarks/results/run13-quick_check.log)
-KV_DEFAULT = dict(BLOCK_T=4, num_warps=2)
+# KV: four tokens a program, 4 warps: 0.063 ms at M = 65536 on the H200 vs 0.105 for one token with
+# 2 warps (benchmarks/results/run13-quick_check.log, run14-quick_check-rest.log)
+KV_DEFAULT = dict(BLOCK_T=4, num_warps=4)
 CANDIDATES: dict[str, list[dict]] = {
     "q_rope_store": [
         dict(BLOCK_T=t, BLOCK_H=h, num_warps=w)
