@@ -263,6 +263,22 @@ def test_launch_configs_agree():
         tuning.clear()
 
 
+def test_kv_interleaved_tables_are_read_as_pairs():
+    """cos/sin as the real view of a complex table (interleaved in memory, as the pass passes them)
+    take the one-load-per-pair path; the results are the bits of planar copies, cache included."""
+    from dsv41_passes.lowering.triton.rope_store import _paired_table
+
+    cache, kv, weight, ic, is_, slots = _kv_case(13, 64, 16, 40)
+    cos, sin = ic.contiguous(), is_.contiguous()
+    assert _paired_table(ic, is_, 13) is not None and _paired_table(cos, sin, 13) is None
+    outs = []
+    for c_, s_ in ((cos, sin), (ic, is_)):
+        c = cache.clone()
+        outs.append((tk.kv_rope_quant(kv, weight, 1e-6, c_, s_, 32, c, slots, batch_invariant=True), c))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert torch.equal(outs[1][0], ops.kv_rope_quant(kv, weight, 1e-6, ic, is_, 32, "reference", 0))
+
+
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [65536, 65537])
@@ -342,9 +358,13 @@ def test_kv_kernel_builds_for_sm90_with_hardware_conversions():
                  cache_ptr="*i32", eps="fp32")
     builds = [dict(module="dsv41_passes.lowering.triton.rope_store", kernel="_kv_rope_quant_kernel", types=types,
                    aligned=["stride_km", "stride_om", "stride_cm", "stride_sm", "stride_cache"],
-                   constexprs=dict(D=512, PAIR0=224, BLOCK=32, NB=16, BLOCK_T=1, STORE=True, HW=hw),
+                   constexprs=dict(D=512, PAIR0=224, BLOCK=32, NB=16, BLOCK_T=1, STORE=True, PAIRED=False, HW=hw),
                    options=dict(num_warps=2, enable_fp_fusion=False)) for hw in (True, False)]
-    hw_build, bit_build = (instructions(b["ptx"]) for b in build_sm90(builds))
+    builds.append(dict(builds[0], types=dict(types, cos_ptr="*i64", sin_ptr="*i64"),
+                       constexprs=dict(builds[0]["constexprs"], BLOCK_T=4, PAIRED=True)))
+    hw_build, bit_build, paired = (instructions(b["ptx"]) for b in build_sm90(builds))
+    assert not any(i.startswith("fma.") for i in paired)
+    assert any(i.startswith("ld.global") and "b64" in i for i in paired)  # (cos, sin) in one 8-byte load
     ops = {i.split()[0] for i in hw_build}
     assert {"cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.bf16.f32"} <= ops, sorted(ops)
     assert not any(i.startswith("fma.") for i in hw_build + bit_build)

@@ -241,9 +241,11 @@ def _kv_rope_quant_kernel(
     kv_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, cache_ptr, M, S, eps,
     stride_km, stride_om, stride_cm, stride_cp, stride_sm, stride_sp, stride_slot, stride_cache,
     D: tl.constexpr, PAIR0: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
-    BLOCK_T: tl.constexpr, STORE: tl.constexpr, HW: tl.constexpr,
+    BLOCK_T: tl.constexpr, STORE: tl.constexpr, PAIRED: tl.constexpr, HW: tl.constexpr,
 ):
-    # tile [BLOCK_T tokens, NB quant blocks, BLOCK/2 words]; kv/out/cache pointers and strides in words
+    # tile [BLOCK_T tokens, NB quant blocks, BLOCK/2 words]; kv/out/cache pointers and strides in words.
+    # PAIRED: cos_ptr points at int64 words holding (cos, sin) of a pair (the interleaved table of
+    # ``view_as_real``), stride_cm in words: one load per pair instead of two strided ones.
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = t < M
     col = tl.arange(0, NB)[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]  # word = pair index
@@ -262,8 +264,13 @@ def _kv_rope_quant_kernel(
     # RoPE on the last rd dims (pairs never straddle a quant block: BLOCK is even), bf16 rounding
     p = col - PAIR0
     rot = tok_ok[:, None, None] & ((p >= 0) & (p < D // 2 - PAIR0))[None, :, :]
-    c = tl.load(cos_ptr + t[:, None, None] * stride_cm + p[None, :, :] * stride_cp, mask=rot, other=0.0)
-    s = tl.load(sin_ptr + t[:, None, None] * stride_sm + p[None, :, :] * stride_sp, mask=rot, other=0.0)
+    if PAIRED:
+        cs = tl.load(cos_ptr + t[:, None, None] * stride_cm + p[None, :, :], mask=rot, other=0)
+        c = (cs & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)  # little endian: cos first
+        s = ((cs >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+    else:
+        c = tl.load(cos_ptr + t[:, None, None] * stride_cm + p[None, :, :] * stride_cp, mask=rot, other=0.0)
+        s = tl.load(sin_ptr + t[:, None, None] * stride_sm + p[None, :, :] * stride_sp, mask=rot, other=0.0)
     y0, y1 = _rotate(y0, y1, c, s, rot)
     # FP8 round trip; padded columns are zeros and never raise a block's amax. The results have
     # at most 4 significant bits, so packing them into bf16 is exact.
@@ -272,6 +279,22 @@ def _kv_rope_quant_kernel(
     tl.store(out_ptr + t[:, None, None] * stride_om + col[None, :, :], out, mask=mask)
     if STORE:
         _store_rows(cache_ptr, slot_ptr, t, tok_ok, col, col_ok, out, S, stride_slot, stride_cache)
+
+
+def _paired_table(cos: torch.Tensor, sin: torch.Tensor, m: int) -> torch.Tensor | None:
+    """``[M, rd/2]`` int64 words of (cos, sin) when the two tables interleave in memory (the real view
+    of a complex table), else None. Strides of the result are in words."""
+    if (
+        m > 0
+        and cos.dtype == sin.dtype == torch.float32
+        and cos.stride() == sin.stride()
+        and cos.stride(1) == 2
+        and cos.stride(0) % 2 == 0
+        and sin.data_ptr() == cos.data_ptr() + 4
+        and cos.data_ptr() % 8 == 0
+    ):
+        return cos.as_strided((m, 2 * cos.shape[1]), (cos.stride(0), 1)).view(torch.int64)
+    return None
 
 
 def kv_rope_quant(
@@ -292,11 +315,15 @@ def kv_rope_quant(
     if not store:  # placeholders the STORE=False kernel never touches
         cache, slots = out, out.new_empty((0,), dtype=torch.int64)
     kw, ow, cw = as_words(kv), as_words(out), as_words(cache)
+    pairs = _paired_table(cos, sin, m)
+    if pairs is not None:
+        cos = sin = pairs
     _kv_rope_quant_kernel[(triton.cdiv(m, block_t),)](
         kw, weight, cos, sin, slots, ow, cw, m, cache.shape[0] if store else 0, float(eps),
         kw.stride(0), ow.stride(0), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         slots.stride(0), cw.stride(0),
         D=d, PAIR0=(d - rd) // 2, BLOCK=block, NB=triton.next_power_of_2(d // block),
-        BLOCK_T=block_t, STORE=store, HW=cfg.get("HW", not INTERPRET), num_warps=cfg["num_warps"], enable_fp_fusion=False,
+        BLOCK_T=block_t, STORE=store, PAIRED=pairs is not None, HW=cfg.get("HW", not INTERPRET),
+        num_warps=cfg["num_warps"], enable_fp_fusion=False,
     )
     return out
