@@ -360,11 +360,17 @@ def test_kv_kernel_builds_for_sm90_with_hardware_conversions():
                    aligned=["stride_km", "stride_om", "stride_cm", "stride_sm", "stride_cache"],
                    constexprs=dict(D=512, PAIR0=224, BLOCK=32, NB=16, BLOCK_T=1, STORE=True, PAIRED=False, HW=hw),
                    options=dict(num_warps=2, enable_fp_fusion=False)) for hw in (True, False)]
+    builds.append(dict(builds[0], constexprs=dict(builds[0]["constexprs"], BLOCK_T=4)))
     builds.append(dict(builds[0], types=dict(types, cos_ptr="*i64", sin_ptr="*i64"),
                        constexprs=dict(builds[0]["constexprs"], BLOCK_T=4, PAIRED=True)))
-    hw_build, bit_build, paired = (instructions(b["ptx"]) for b in build_sm90(builds))
+    hw_build, bit_build, planar, paired = (instructions(b["ptx"]) for b in build_sm90(builds))
     assert not any(i.startswith("fma.") for i in paired)
-    assert any(i.startswith("ld.global") and "b64" in i for i in paired)  # (cos, sin) in one 8-byte load
+
+    def loads(ins, width):
+        return sum("ld.global" in i and width in i for i in ins)
+
+    # (cos, sin) of a pair in one 8-byte load instead of two 4-byte ones
+    assert loads(paired, "b64") > loads(planar, "b64") and loads(paired, ".b32") < loads(planar, ".b32")
     ops = {i.split()[0] for i in hw_build}
     assert {"cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.bf16.f32"} <= ops, sorted(ops)
     assert not any(i.startswith("fma.") for i in hw_build + bit_build)
