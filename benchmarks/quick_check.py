@@ -37,14 +37,15 @@ def kv(m: int) -> None:
     kv_in = (torch.randn(m, d, device="cuda", generator=g) * 4).bfloat16()
     w = torch.rand(d, device="cuda", generator=g) + 0.5
     ang = torch.rand(m, rd // 2, device="cuda", generator=g) * 6.3
-    cos, sin = ang.cos(), ang.sin()
+    cs = torch.view_as_real(torch.polar(torch.ones_like(ang), ang))  # interleaved, as the model's table
+    cos, sin = cs[..., 0], cs[..., 1]
     slots = torch.randperm(2 * m, device="cuda")[:m]
     cache = torch.zeros(2 * m, d, dtype=torch.bfloat16, device="cuda")
     base = rk.kv_rope_quant(kv_in, w, 1e-6, cos, sin, block, cache, slots, batch_invariant=True)
     roof = (3 * m * d * 2 + m * rd * 4 + m * 8) / BANDWIDTH * 1e3
     row("kv", f"roofline M={m}", "", roof)
     for cfg in [rk.KV_DEFAULT, *(c for c in rk.CANDIDATES["kv_rope_quant_store"]
-                                 if c["num_warps"] <= 4 and c["BLOCK_T"] >= 2)]:
+                                 if c["num_warps"] >= 2 and c["BLOCK_T"] in (4, 8))]:
         run = lambda cfg=cfg: rk.kv_rope_quant(kv_in, w, 1e-6, cos, sin, block, cache, slots,  # noqa: E731
                                                batch_invariant=False, config=cfg)
         same = torch.equal(run().view(torch.int16), base.view(torch.int16))

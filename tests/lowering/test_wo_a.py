@@ -301,6 +301,10 @@ def test_tilelang_compiles_for_sm90a(tmp_path):
     # one K loop: warpgroups split the 128 x 256 tile by rows (wgmma m64n256), rope chunks in place
     one = sources["one_loop"]
     assert "tma_load" in one and "64, 256, 16, false" in one and "x1 * c" in one
+    # the in-place de-rotation reads every pair, then writes them back: no barrier inside the read loop
+    # (a single read-modify-write loop made TileLang put one between the loads and stores of each pair)
+    head = one[: one.index("x0 * c")]
+    assert "__sync_thread_partial" not in head[head.rindex("for (int"):]
     # rope chunks de-rotated into registers: a register-A wgmma next to the shared-A one
     regs = sources["one_loop_rope_regs"]
     assert "wgmma_rs" in regs and "wgmma_ss" in regs and "x * c" in regs

@@ -52,6 +52,9 @@ CANDIDATES: dict[str, list[dict]] = {
         for bm, bn, s, t in [(64, 128, 4, 128), (64, 256, 4, 128), (128, 128, 4, 256), (128, 256, 3, 256),
                              (128, 256, 4, 256)]
     ]
+    + [  # the same with each thread's cos/sin pairs loaded once, before the loop, into registers
+        dict(BM=128, BN=256, BK=64, stages=s, threads=256, one_loop=True, cs_regs=True) for s in (3, 4)
+    ]
     + [  # the same with the rope chunk de-rotated into registers (wgmma with A from registers); at
         # 128 x 256 it measured slower than in place (run14-quick_check-rest.log), so small tiles only
         dict(BM=64, BN=bn, BK=64, stages=4, threads=128, one_loop=True, rope_regs=True) for bn in (64, 128)
@@ -169,11 +172,13 @@ def build(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN: int, BK:
 
 
 def build_one_loop(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN: int, BK: int, stages: int,
-                   threads: int, rope_regs: bool = False):
+                   threads: int, rope_regs: bool = False, cs_regs: bool = False):
     """Variant (config ``one_loop=True``): one warp-specialized K loop over every chunk; the warpgroups
     split the tile by rows (wgmma ``m64 x BN``). A head's rope chunk is de-rotated in place in its
     pipeline stage before its gemm, or with ``rope_regs`` into a register fragment that feeds the
-    wgmma as its A operand (each thread de-rotates its own elements: no barrier, the stage is read only)."""
+    wgmma as its A operand (each thread de-rotates its own elements: no barrier, the stage is read only).
+    ``cs_regs`` (in-place path): cos/sin depend on the row only, so each thread loads the pairs it
+    de-rotates once, before the loop, into registers, instead of at every head's rope chunk."""
     import tilelang.language as T
 
     bf16, f32 = T.bfloat16, T.float32
@@ -198,6 +203,16 @@ def build_one_loop(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN:
             acc = T.alloc_fragment((BM, BN), f32)
             if rope_regs:
                 a_r = T.alloc_fragment((BM, BK), bf16)
+            if not rope_regs:
+                y0_f = T.alloc_fragment((BM, half), bf16)
+                y1_f = T.alloc_fragment((BM, half), bf16)
+            if cs_regs:
+                c_f = T.alloc_fragment((BM, half), f32)
+                s_f = T.alloc_fragment((BM, half), f32)
+                for i, p in T.Parallel(BM, half):
+                    live = by * BM + i < M
+                    c_f[i, p] = T.if_then_else(live, CS[by * BM + i, 2 * p], 0.0)
+                    s_f[i, p] = T.if_then_else(live, CS[by * BM + i, 2 * p + 1], 0.0)
             col0 = (bx * BN // r) * K
             T.clear(acc)
             for t in T.Pipelined(hpg * chunks, num_stages=stages):
@@ -220,14 +235,23 @@ def build_one_loop(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN:
                             )
                         T.gemm(a_r, b_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                     else:
+                        # two phases (read all pairs, then write them back): one barrier between them;
+                        # a single read-modify-write loop gets a barrier per pair of every thread
                         for i, p in T.Parallel(BM, half):
-                            live = by * BM + i < M
-                            c = T.if_then_else(live, CS[by * BM + i, 2 * p], 0.0)
-                            s = T.if_then_else(live, CS[by * BM + i, 2 * p + 1], 0.0)
+                            if cs_regs:
+                                c = c_f[i, p]
+                                s = s_f[i, p]
+                            else:
+                                live = by * BM + i < M
+                                c = T.if_then_else(live, CS[by * BM + i, 2 * p], 0.0)
+                                s = T.if_then_else(live, CS[by * BM + i, 2 * p + 1], 0.0)
                             x0 = T.cast(a_s[i, rope_from + 2 * p], f32)
                             x1 = T.cast(a_s[i, rope_from + 2 * p + 1], f32)
-                            a_s[i, rope_from + 2 * p] = T.cast(x0 * c + x1 * s, bf16)
-                            a_s[i, rope_from + 2 * p + 1] = T.cast(x1 * c - x0 * s, bf16)
+                            y0_f[i, p] = T.cast(x0 * c + x1 * s, bf16)
+                            y1_f[i, p] = T.cast(x1 * c - x0 * s, bf16)
+                        for i, p in T.Parallel(BM, half):
+                            a_s[i, rope_from + 2 * p] = y0_f[i, p]
+                            a_s[i, rope_from + 2 * p + 1] = y1_f[i, p]
                         T.gemm(a_s, b_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 else:
                     T.gemm(a_s, b_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
