@@ -71,9 +71,10 @@ def default_config(m: int) -> dict:
         # one K loop, rope chunk de-rotated into registers: 0.0275 ms at M = 128 on the H200 vs 0.0379
         # for the two-loop (64, 64, 128) kernel (benchmarks/results/run14-quick_check-rest.log)
         return dict(BM=64, BN=64, BK=64, stages=4, threads=128, one_loop=True, rope_regs=True)
-    # one K loop with 128 x 256 tiles: 2.02 ms at M = 65536 on the H200 vs 2.50 for the two-loop
-    # (128, 128, 64) kernel (benchmarks/results/run9-quick_check.log)
-    return dict(BM=128, BN=256, BK=64, stages=4, threads=256, one_loop=True)
+    # one K loop with 128 x 256 tiles, rope chunk de-rotated in two phases with cos/sin in registers:
+    # 1.70 ms at M = 65536 on the H200 (run16-quick_check.log); the one-loop kernel with one barrier
+    # per pair took 2.02 (run 9), the two-loop (128, 128, 64) kernel 2.50
+    return dict(BM=128, BN=256, BK=64, stages=4, threads=256, one_loop=True, cs_regs=True)
 
 
 def _pow2_divisor(x: int) -> int:
