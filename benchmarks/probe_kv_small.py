@@ -1,0 +1,34 @@
+"""KV store at decode sizes: launch config x rope-table layout, through the op and the kernel directly.
+
+    source .devsite/setup.sh && python3 benchmarks/probe_kv_small.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_rope_store import BLOCK, EPS, SLOTS, inputs  # noqa: E402
+from benchmarks.common import time_ms  # noqa: E402
+from dsv41_passes.lowering.triton import rope_store as rk  # noqa: E402
+
+rows = []
+for m in (1, 128, 4096):
+    _, kv, weight, freqs, cos, sin, slots = inputs(m, 1)
+    cache = torch.zeros(SLOTS, 512, dtype=torch.bfloat16, device="cuda")
+    tables = {"interleaved (paired)": (cos, sin), "planar contiguous": (cos.contiguous(), sin.contiguous())}
+    for tname, (c, s) in tables.items():
+        for cfg in (dict(BLOCK_T=1, num_warps=2), dict(BLOCK_T=2, num_warps=2), dict(BLOCK_T=4, num_warps=4)):
+            t = time_ms(lambda c=c, s=s, cfg=cfg: rk.kv_rope_quant(kv, weight, EPS, c, s, BLOCK, cache, slots,
+                                                                 batch_invariant=False, config=cfg))
+            rows.append((m, tname, str(cfg), "kernel", t))
+        t = time_ms(lambda c=c, s=s: torch.ops.dsv41.kv_rope_quant_store(cache, kv, weight, EPS, c, s, slots, BLOCK,
+                                                                        "triton,reference", 0))
+        rows.append((m, tname, "default", "op", t))
+print("| M | tables | config | path | us |\n|---|---|---|---|---|")
+for m, tname, cfg, path, t in rows:
+    print(f"| {m} | {tname} | {cfg} | {path} | {1000 * t:.2f} |")
