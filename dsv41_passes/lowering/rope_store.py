@@ -286,6 +286,8 @@ def tunables(config, device=None) -> list:
     kv_key = dict(d=d, rd=rd, block=block)
     return [
         Tunable("q_rope_store", dict(h=h, d=d, rd=rd), q_inputs, run_q, tk.CANDIDATES["q_rope_store"], tk.Q_DEFAULT),
-        Tunable("kv_rope_quant_store", kv_key, kv_inputs, run_kv, tk.CANDIDATES["kv_rope_quant_store"], tk.KV_DEFAULT),
-        Tunable("kv_rope_quant", kv_key, kv_inputs, run_kv_compute, tk.CANDIDATES["kv_rope_quant"], tk.KV_DEFAULT),
+        Tunable("kv_rope_quant_store", kv_key, kv_inputs, run_kv, tk.CANDIDATES["kv_rope_quant_store"], tk.KV_DEFAULT,
+                untuned=tk.kv_untuned_config),
+        Tunable("kv_rope_quant", kv_key, kv_inputs, run_kv_compute, tk.CANDIDATES["kv_rope_quant"], tk.KV_DEFAULT,
+                untuned=tk.kv_untuned_config),
     ]

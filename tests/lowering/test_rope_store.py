@@ -263,6 +263,26 @@ def test_launch_configs_agree():
         tuning.clear()
 
 
+def test_kv_untuned_config_by_token_count(monkeypatch):
+    """Decode sizes launch one token a program, prefill four; batch-invariant mode one config for all."""
+    seen = []
+    real = tk._kv_rope_quant_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((kw["BLOCK_T"], kw["num_warps"]))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(tk, "_kv_rope_quant_kernel", Spy())
+    for m, bi in ((5, False), (1025, False), (5, True)):
+        _, kv, weight, cos, sin, _ = _kv_case(m, 64, 16, 2)
+        tk.kv_rope_quant(kv, weight, 1e-6, cos, sin, 32, batch_invariant=bi)
+    small, big, bi = ((c["BLOCK_T"], c["num_warps"]) for c in (tk.KV_SMALL_M, tk.KV_DEFAULT, tk.KV_DEFAULT))
+    assert seen == [small, big, bi] and small != big
+
+
 def test_kv_interleaved_tables_are_read_as_pairs():
     """cos/sin as the real view of a complex table (interleaved in memory, as the pass passes them)
     take the one-load-per-pair path; the results are the bits of planar copies, cache included."""

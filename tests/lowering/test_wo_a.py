@@ -268,6 +268,9 @@ out["decode"] = tw.lower_source(g, r, hpg, d, rd, dict(tw.default_config(1), BN=
 one_loop = [c for c in tw.CANDIDATES[tw.TACTIC_OP] if c.get("one_loop")]
 big = max(one_loop, key=lambda c: (c["BM"] * c["BN"], c["stages"]))
 out["one_loop"] = tw.compile_kernel(g, r, hpg, d, rd, big).get_kernel_source()  # nvcc, sm_90a
+bn, bk = tw._tiles(tw.default_config(65536), d, r, rd)
+out["prefill_default"] = tw.compile_kernel(g, r, hpg, d, rd, dict(tw.default_config(65536), BN=bn, BK=bk)
+                                           ).get_kernel_source()  # nvcc, sm_90a
 regs = max((c for c in one_loop if c.get("rope_regs")), key=lambda c: (c["BM"] * c["BN"], c["stages"]))
 out["one_loop_rope_regs"] = tw.compile_kernel(g, r, hpg, d, rd, regs).get_kernel_source()  # nvcc, sm_90a
 json.dump(out, sys.stdout)
@@ -303,8 +306,12 @@ def test_tilelang_compiles_for_sm90a(tmp_path):
     assert "tma_load" in one and "64, 256, 16, false" in one and "x1 * c" in one
     # the in-place de-rotation reads every pair, then writes them back: no barrier inside the read loop
     # (a single read-modify-write loop made TileLang put one between the loads and stores of each pair)
-    head = one[: one.index("x0 * c")]
-    assert "__sync_thread_partial" not in head[head.rindex("for (int"):]
+    for src in (one, sources["prefill_default"]):
+        head = src[: src.index("x0 * c")]
+        assert "__sync_thread_partial" not in head[head.rindex("for (int"):]
+    # the prefill default loads each thread's cos/sin once, before the K loop (CS is read nowhere else)
+    pre = sources["prefill_default"]
+    assert pre.rindex("CS[") < pre.index("for (int t_1") and "c_f[" in pre
     # rope chunks de-rotated into registers: a register-A wgmma next to the shared-A one
     regs = sources["one_loop_rope_regs"]
     assert "wgmma_rs" in regs and "wgmma_ss" in regs and "x * c" in regs

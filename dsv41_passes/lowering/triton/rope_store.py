@@ -2,7 +2,7 @@
 
 ``q_rope_store``: one program per (token block, head group); each (token, head) row is
 read once from ``q`` and written once into the padded buffer, the last ``rd`` dims rotated.
-``kv_rope_quant``: one program per block of tokens (default four): RMSNorm, RoPE on
+``kv_rope_quant``: one program per block of tokens (four; one at decode sizes): RMSNorm, RoPE on
 the tail, FP8-e4m3 round trip with UE8M0 per-block scales; stores the result and, for
 ``kv_rope_quant_store``, also the cache row picked by the token's slot. On a GPU the bf16
 and e4m3 roundings are the hardware conversions (``cvt.rn.bf16.f32``,
@@ -38,6 +38,15 @@ Q_DEFAULT = dict(BLOCK_T=1, BLOCK_H=4, num_warps=4)
 # KV: four tokens a program, 4 warps: 0.063 ms at M = 65536 on the H200 vs 0.105 for one token with
 # 2 warps (benchmarks/results/run13-quick_check.log, run14-quick_check-rest.log)
 KV_DEFAULT = dict(BLOCK_T=4, num_warps=4)
+# Decode sizes (untuned, outside batch-invariant mode): one token a program. At M = 128 the bench
+# measured 0.0031 ms with it (run 12) against 0.0060 (run 15) and 0.0088 (run 17) with KV_DEFAULT.
+KV_SMALL_M = dict(BLOCK_T=1, num_warps=2)
+KV_SMALL_M_MAX = 1024
+
+
+def kv_untuned_config(m: int) -> dict:
+    """The KV launch config an untuned call at M tokens runs (batch-invariant mode: KV_DEFAULT always)."""
+    return KV_SMALL_M if m <= KV_SMALL_M_MAX else KV_DEFAULT
 CANDIDATES: dict[str, list[dict]] = {
     "q_rope_store": [
         dict(BLOCK_T=t, BLOCK_H=h, num_warps=w)
@@ -309,7 +318,8 @@ def kv_rope_quant(
         return out
     rd = 2 * cos.shape[1]
     op = "kv_rope_quant_store" if cache is not None else "kv_rope_quant"
-    cfg = config or tactic(op, m, kv_shape_key(kv, cos, block), default=KV_DEFAULT, batch_invariant=batch_invariant)
+    default = KV_DEFAULT if batch_invariant else kv_untuned_config(m)
+    cfg = config or tactic(op, m, kv_shape_key(kv, cos, block), default=default, batch_invariant=batch_invariant)
     block_t = cfg["BLOCK_T"]
     store = cache is not None
     if not store:  # placeholders the STORE=False kernel never touches
