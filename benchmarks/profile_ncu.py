@@ -38,21 +38,17 @@ def launches(m: int) -> dict:
     kv_in = (torch.randn(m, 512, device="cuda", generator=g) * 4).bfloat16()
     kw = torch.rand(512, device="cuda", generator=g) + 0.5
     ang = torch.rand(m, 32, device="cuda", generator=g) * 6.3
-    cos, sin = ang.cos(), ang.sin()
+    cs = torch.view_as_real(torch.polar(torch.ones_like(ang), ang))  # interleaved, as the model's table
+    cos, sin = cs[..., 0], cs[..., 1]
     slots = torch.randperm(2 * m, device="cuda")[:m]
     cache = torch.zeros(2 * m, 512, dtype=torch.bfloat16, device="cuda")
     o = torch.randn(m, 16, 512, device="cuda", generator=g).bfloat16()
     wa = (torch.randn(2048, 4096, device="cuda", generator=g) / 64).bfloat16()
-    cs = torch.view_as_real(torch.polar(torch.ones_like(ang), ang))
     return {
         "mhc_pre": lambda: tm.mhc_pre(h, pre_prev, parts, scale, base, w, 20, 1e-6, 1e-6, 1e-6,
                                       batch_invariant=False),
         "mhc_post": lambda: tm.mhc_post(y, h, post_w, comb, batch_invariant=False),
-        "kv_default": lambda: rk.kv_rope_quant(kv_in, kw, 1e-6, cos, sin, 32, cache, slots, batch_invariant=False,
-                                               config=rk.KV_DEFAULT),
-        "kv_persistent": lambda: rk.kv_rope_quant(kv_in, kw, 1e-6, cos, sin, 32, cache, slots,
-                                                  batch_invariant=False,
-                                                  config=dict(BLOCK_T=2, num_warps=2, PERSIST=8)),
+        "kv": lambda: rk.kv_rope_quant(kv_in, kw, 1e-6, cos, sin, 32, cache, slots, batch_invariant=False),
         "wo_a": lambda: tw.wo_a(o, wa, cs[..., 0], cs[..., 1], 64, batch_invariant=False),
     }
 
