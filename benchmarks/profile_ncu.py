@@ -21,20 +21,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def launches(m: int) -> dict:
     """name -> zero-argument callable launching one kernel at M = m."""
-    from dsv41_passes.lowering.mhc_weights import build_parts
+    from benchmarks.quick_check import mhc_inputs
     from dsv41_passes.lowering.tilelang import wo_a as tw
     from dsv41_passes.lowering.triton import mhc as tm
     from dsv41_passes.lowering.triton import rope_store as rk
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    d = 5120
-    h = torch.randn(m, 4, d, device="cuda", generator=g).bfloat16()
-    y = torch.randn(m, d, device="cuda", generator=g).bfloat16()
-    fn = torch.randn(24, 4 * d, device="cuda", generator=g) / (4 * d) ** 0.5
-    scale, base = torch.rand(3, device="cuda") + 0.5, torch.randn(24, device="cuda") * 0.5
-    pre_prev, w = torch.rand(m, 4, device="cuda") + 0.1, torch.rand(d, device="cuda") + 0.5
-    post_w, comb = torch.rand(m, 4, device="cuda") * 2, torch.rand(m, 4, 4, device="cuda")
-    parts = build_parts(fn)
+    t = mhc_inputs(m)
+    g = torch.Generator(device="cuda").manual_seed(1)
     kv_in = (torch.randn(m, 512, device="cuda", generator=g) * 4).bfloat16()
     kw = torch.rand(512, device="cuda", generator=g) + 0.5
     ang = torch.rand(m, 32, device="cuda", generator=g) * 6.3
@@ -45,9 +38,9 @@ def launches(m: int) -> dict:
     o = torch.randn(m, 16, 512, device="cuda", generator=g).bfloat16()
     wa = (torch.randn(2048, 4096, device="cuda", generator=g) / 64).bfloat16()
     return {
-        "mhc_pre": lambda: tm.mhc_pre(h, pre_prev, parts, scale, base, w, 20, 1e-6, 1e-6, 1e-6,
-                                      batch_invariant=False),
-        "mhc_post": lambda: tm.mhc_post(y, h, post_w, comb, batch_invariant=False),
+        "mhc_pre": lambda: tm.mhc_pre(t["h"], t["pre_prev"], t["parts"], t["scale"], t["base"], t["w"], 20, 1e-6,
+                                      1e-6, 1e-6, batch_invariant=False),
+        "mhc_post": lambda: tm.mhc_post(t["y"], t["h"], t["post"], t["comb"], batch_invariant=False),
         "kv": lambda: rk.kv_rope_quant(kv_in, kw, 1e-6, cos, sin, 32, cache, slots, batch_invariant=False),
         "wo_a": lambda: tw.wo_a(o, wa, cs[..., 0], cs[..., 1], 64, batch_invariant=False),
     }

@@ -29,6 +29,43 @@ def row(family: str, variant: str, check: str, t: float | None, note: str = "") 
     print(f"{family:8} {variant:44} {check:28} {ROWS[-1][3]:>8} {note}", flush=True)
 
 
+def _same_bits(a, b) -> bool:
+    """Bitwise equality of two outputs (a tensor or a tuple of tensors)."""
+    a, b = (x if isinstance(x, tuple) else (x,) for x in (a, b))
+    return all(torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)) for x, y in zip(a, b))
+
+
+def time_configs(family: str, m: int, roof: float | None, configs: dict, run, base=None) -> None:
+    """A row per config: ``run(cfg)`` compared bitwise with ``base`` (default: the first config's
+    output), its time, and the % of ``roof``."""
+    for name, cfg in configs.items():
+        out = run(cfg)
+        base = out if base is None else base
+        t = time_ms(lambda cfg=cfg: run(cfg))
+        row(family, f"M={m} {name}", f"same bits {_same_bits(out, base)}", t,
+            f"{100 * roof / t:.0f}%" if roof else "")
+
+
+def _names(configs) -> dict:
+    return {",".join(f"{k}={v}" for k, v in c.items()): c for c in configs}
+
+
+def mhc_inputs(m: int, d: int = 5120) -> dict:
+    """Residual, branch output, projection weights (fp32 and BF16x3 parts) and mixes at hidden d."""
+    from dsv41_passes.lowering.mhc_weights import build_parts
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    fn = torch.randn(24, 4 * d, device="cuda", generator=g) / (4 * d) ** 0.5
+    return dict(
+        h=torch.randn(m, 4, d, device="cuda", generator=g).bfloat16(),
+        y=torch.randn(m, d, device="cuda", generator=g).bfloat16(),
+        fn=fn, parts=build_parts(fn),
+        scale=torch.rand(3, device="cuda", generator=g) + 0.5, base=torch.randn(24, device="cuda", generator=g) * 0.5,
+        pre_prev=torch.rand(m, 4, device="cuda", generator=g) + 0.1, w=torch.rand(d, device="cuda", generator=g) + 0.5,
+        post=torch.rand(m, 4, device="cuda", generator=g) * 2, comb=torch.rand(m, 4, 4, device="cuda", generator=g),
+    )
+
+
 def kv(m: int) -> None:
     from dsv41_passes.lowering.triton import rope_store as rk
 
@@ -44,90 +81,57 @@ def kv(m: int) -> None:
     base = rk.kv_rope_quant(kv_in, w, 1e-6, cos, sin, block, cache, slots, batch_invariant=True)
     roof = (3 * m * d * 2 + m * rd * 4 + m * 8) / BANDWIDTH * 1e3
     row("kv", f"roofline M={m}", "", roof)
-    for cfg in [rk.KV_DEFAULT, *(c for c in rk.CANDIDATES["kv_rope_quant_store"]
-                                 if c["num_warps"] >= 2 and c["BLOCK_T"] in (4, 8))]:
-        run = lambda cfg=cfg: rk.kv_rope_quant(kv_in, w, 1e-6, cos, sin, block, cache, slots,  # noqa: E731
-                                               batch_invariant=False, config=cfg)
-        same = torch.equal(run().view(torch.int16), base.view(torch.int16))
-        t = time_ms(run)
-        row("kv", f"M={m} " + ",".join(f"{k}={v}" for k, v in cfg.items()), f"same bits {same}", t,
-            f"{100 * roof / t:.0f}%")
+    configs = [rk.KV_DEFAULT, *(c for c in rk.CANDIDATES["kv_rope_quant_store"]
+                                if c["num_warps"] >= 2 and c["BLOCK_T"] in (4, 8))]
+    time_configs("kv", m, roof, _names(configs),
+                 lambda cfg: rk.kv_rope_quant(kv_in, w, 1e-6, cos, sin, block, cache, slots, batch_invariant=False,
+                                              config=cfg), base)
 
 
 def post(m: int) -> None:
     from dsv41_passes.lowering.triton import mhc as tk
 
-    d = 5120
-    g = torch.Generator(device="cuda").manual_seed(0)
-    res = torch.randn(m, 4, d, device="cuda", generator=g).bfloat16()
-    y = torch.randn(m, d, device="cuda", generator=g).bfloat16()
-    post_w = torch.rand(m, 4, device="cuda", generator=g) * 2
-    comb = torch.rand(m, 4, 4, device="cuda", generator=g)
-    base = tk.mhc_post(y, res, post_w, comb, batch_invariant=True)
+    t, d = mhc_inputs(m), 5120
+    base = tk.mhc_post(t["y"], t["h"], t["post"], t["comb"], batch_invariant=True)
     roof = m * d * 2 * (4 + 1 + 4) / BANDWIDTH * 1e3
     row("post", f"roofline M={m}", "", roof)
-    for cfg in [tk.DEFAULTS["mhc_post"], *(c for c in tk.CANDIDATES["mhc_post"] if c["BLOCK_D"] == 1024)]:
-        run = lambda cfg=cfg: tk.mhc_post(y, res, post_w, comb, batch_invariant=False, config=cfg)  # noqa: E731
-        same = torch.equal(run(), base)
-        t = time_ms(run)
-        row("post", f"M={m} " + ",".join(f"{k}={v}" for k, v in cfg.items()), f"same bits {same}", t,
-            f"{100 * roof / t:.0f}%")
+    configs = [tk.DEFAULTS["mhc_post"], *(c for c in tk.CANDIDATES["mhc_post"] if c["BLOCK_D"] == 1024)]
+    time_configs("post", m, roof, _names(configs),
+                 lambda cfg: tk.mhc_post(t["y"], t["h"], t["post"], t["comb"], batch_invariant=False, config=cfg),
+                 base)
 
 
 def mhc(m: int) -> None:
-    from dsv41_passes.lowering.mhc_weights import build_parts
     from dsv41_passes.lowering.triton import mhc as tk
 
-    d = 5120
-    g = torch.Generator(device="cuda").manual_seed(0)
-    h = torch.randn(m, 4, d, device="cuda", generator=g).bfloat16()
-    y = torch.randn(m, d, device="cuda", generator=g).bfloat16()
-    fn = torch.randn(24, 4 * d, device="cuda", generator=g) / (4 * d) ** 0.5
-    scale, base = torch.rand(3, device="cuda") + 0.5, torch.randn(24, device="cuda") * 0.5
-    pre_prev, w = torch.rand(m, 4, device="cuda") + 0.1, torch.rand(d, device="cuda") + 0.5
-    post_w, comb = torch.rand(m, 4, device="cuda") * 2, torch.rand(m, 4, 4, device="cuda")
-    parts = build_parts(fn)
+    t, d = mhc_inputs(m), 5120
+    h, y, parts, scale, base, pre_prev, w = (t[k] for k in ("h", "y", "parts", "scale", "base", "pre_prev", "w"))
     roof = m * d * 2 * (4 + 1) / BANDWIDTH * 1e3
     row("mhc_pre", f"roofline M={m}", "", roof)
     d0 = tk.DEFAULTS["mhc_pre"]
     configs = {"default (finish=last)": d0, "finish=kernel": dict(d0, finish="kernel"),
                "BM 128, 8 warps, finish=kernel": dict(BLOCK_M=128, num_warps=8, num_stages=3, finish="kernel"),
                "BM 128, 4 warps, finish=kernel": dict(BLOCK_M=128, num_warps=4, num_stages=2, finish="kernel")}
-    base_out = None
-    for name, cfg in configs.items():
-        def run(cfg=cfg):
-            return tk.mhc_pre(h, pre_prev, parts, scale, base, w, 20, 1e-6, 1e-6, 1e-6, batch_invariant=False,
-                              config=cfg)
-
-        out = run()
-        base_out = out if base_out is None else base_out
-        same = all(torch.equal(a, b) for a, b in zip(out, base_out))
-        t = time_ms(run)
-        row("mhc_pre", f"M={m} {name}", f"same bits {same}", t, f"{100 * roof / t:.0f}%")
-    t = time_ms(lambda: tk.mhc_stats(h, parts, scale, base, 20, 1e-6, 1e-6, batch_invariant=False))
-    row("mhc_pre", f"M={m} stats alone (default)", "", t)
+    time_configs("mhc_pre", m, roof, configs,
+                 lambda cfg: tk.mhc_pre(h, pre_prev, parts, scale, base, w, 20, 1e-6, 1e-6, 1e-6,
+                                        batch_invariant=False, config=cfg))
+    ms = time_ms(lambda: tk.mhc_stats(h, parts, scale, base, 20, 1e-6, 1e-6, batch_invariant=False))
+    row("mhc_pre", f"M={m} stats alone (default)", "", ms)
     broof = m * d * 2 * (4 + 1 + 4 + 1) / BANDWIDTH * 1e3
     row("boundary", f"roofline M={m}", "", broof)
     d0 = tk.DEFAULTS["mhc_boundary"]
-    base_out = None
-    for name, cfg in {"default (finish=last)": d0, "finish=kernel": dict(d0, finish="kernel")}.items():
-        def fused(cfg=cfg):
-            return tk.mhc_boundary(y, h, post_w, comb, pre_prev, parts, scale, base, w, 20, 1e-6, 1e-6, 1e-6,
-                                   batch_invariant=False, config=cfg)
-
-        out = fused()
-        base_out = out if base_out is None else base_out
-        same = all(torch.equal(a, b) for a, b in zip(out, base_out))
-        t = time_ms(fused)
-        row("boundary", f"M={m} mhc_boundary {name}", f"same bits {same}", t, f"{100 * broof / t:.0f}%")
+    time_configs("boundary", m, broof,
+                 {"mhc_boundary default (finish=last)": d0, "mhc_boundary finish=kernel": dict(d0, finish="kernel")},
+                 lambda cfg: tk.mhc_boundary(y, h, t["post"], t["comb"], pre_prev, parts, scale, base, w, 20, 1e-6,
+                                             1e-6, 1e-6, batch_invariant=False, config=cfg))
 
     def post_then_pre():
-        new = tk.mhc_post(y, h, post_w, comb, batch_invariant=False)
+        new = tk.mhc_post(y, h, t["post"], t["comb"], batch_invariant=False)
         return tk.mhc_pre(new, pre_prev, parts, scale, base, w, 20, 1e-6, 1e-6, 1e-6, batch_invariant=False,
                           config=dict(tk.DEFAULTS["mhc_pre"], finish="kernel"))
 
-    t = time_ms(post_then_pre)
-    row("boundary", f"M={m} post + mhc_pre finish=kernel", "", t, f"{100 * broof / t:.0f}%")
+    ms = time_ms(post_then_pre)
+    row("boundary", f"M={m} post + mhc_pre finish=kernel", "", ms, f"{100 * broof / ms:.0f}%")
 
 
 def wo_a(m: int) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ...tuning import tactic
+from ..rope_tables import interleaved_view
 from ..wo_a import geometry
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
@@ -310,11 +311,9 @@ def tactic_key(o: torch.Tensor, weight: torch.Tensor, rope_dim: int) -> tuple[st
 
 def _rope_table(cos: torch.Tensor, sin: torch.Tensor, m: int, rope_dim: int) -> torch.Tensor:
     """``cs [M, RD]`` with (cos, sin) interleaved; a view when cos/sin come from ``view_as_real``."""
-    if (
-        sin.data_ptr() == cos.data_ptr() + cos.element_size()
-        and cos.stride() == sin.stride() == (rope_dim, 2)
-    ):
-        return cos.as_strided((m, rope_dim), (rope_dim, 1))
+    cs = interleaved_view(cos, sin)
+    if cs is not None and cs.is_contiguous():
+        return cs
     return torch.stack((cos, sin), dim=-1).reshape(m, rope_dim)
 
 

@@ -283,13 +283,14 @@ def _launch_proj(
     ss = torch.empty(nblocks * NUM_SLICES * bm, **f32)
     norm = collapse and weight is not None
     xss = torch.empty_like(ss) if norm else ss
-    count = torch.zeros(nblocks, dtype=torch.int32, device=dev)
+    # finish: "last" = the last slice program of a row block reduces it (arrival counters);
+    # "kernel" = a second launch does (no counters to zero)
+    finish_last = cfg.get("finish", "last") == "last"
+    count = torch.zeros(nblocks if finish_last else 0, dtype=torch.int32, device=dev)
     _, bk = slice_geometry(d)
     dummy = out["pre"]
     new_res = out.get("new_res", dummy)
     x = out.get("x", dummy)
-    # finish: "last" = the last slice program of a row block reduces it; "kernel" = a second launch
-    finish_last = cfg.get("finish", "last") == "last"
     _proj_kernel[(nblocks * NUM_SLICES,)](
         h, y if boundary else dummy, post_in.contiguous() if boundary else dummy,
         comb_in.contiguous() if boundary else dummy, new_res,

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ...tuning import tactic
+from ..rope_tables import interleaved_view
 from .common import INTERPRET
 
 # Launch configs worth timing per op (the tuner's search space). Defaults are M-independent.
@@ -291,19 +292,12 @@ def _kv_rope_quant_kernel(
 
 
 def _paired_table(cos: torch.Tensor, sin: torch.Tensor, m: int) -> torch.Tensor | None:
-    """``[M, rd/2]`` int64 words of (cos, sin) when the two tables interleave in memory (the real view
-    of a complex table), else None. Strides of the result are in words."""
-    if (
-        m > 0
-        and cos.dtype == sin.dtype == torch.float32
-        and cos.stride() == sin.stride()
-        and cos.stride(1) == 2
-        and cos.stride(0) % 2 == 0
-        and sin.data_ptr() == cos.data_ptr() + 4
-        and cos.data_ptr() % 8 == 0
-    ):
-        return cos.as_strided((m, 2 * cos.shape[1]), (cos.stride(0), 1)).view(torch.int64)
-    return None
+    """``[M, rd/2]`` int64 words of (cos, sin) when the two tables interleave in memory, else None.
+    Strides of the result are in words."""
+    pairs = interleaved_view(cos, sin) if m > 0 else None
+    if pairs is None or pairs.stride(0) % 2 or pairs.data_ptr() % 8:
+        return None
+    return pairs.view(torch.int64)
 
 
 def kv_rope_quant(
