@@ -1,4 +1,4 @@
-"""KV store at decode sizes: launch config x rope-table layout, through the op and the kernel directly.
+"""KV store at decode and mid sizes: launch config x rope-table layout, through the op and the kernel directly.
 
     source .devsite/setup.sh && python3 benchmarks/probe_kv_small.py
 """
@@ -17,12 +17,16 @@ from benchmarks.common import time_ms  # noqa: E402
 from dsv41_passes.lowering.triton import rope_store as rk  # noqa: E402
 
 rows = []
-for m in (1, 128, 4096):
+SMALL = (dict(BLOCK_T=1, num_warps=2), dict(BLOCK_T=2, num_warps=2), dict(BLOCK_T=4, num_warps=4))
+MID = (dict(BLOCK_T=2, num_warps=2), *(dict(BLOCK_T=t, num_warps=w) for t in (4, 8, 16) for w in (4, 8)))
+for m in (1, 128, 4096, 16384):
     _, kv, weight, freqs, cos, sin, slots = inputs(m, 1)
     cache = torch.zeros(SLOTS, 512, dtype=torch.bfloat16, device="cuda")
-    tables = {"interleaved (paired)": (cos, sin), "planar contiguous": (cos.contiguous(), sin.contiguous())}
+    tables = {"interleaved (paired)": (cos, sin)}
+    if m <= 128:
+        tables["planar contiguous"] = (cos.contiguous(), sin.contiguous())
     for tname, (c, s) in tables.items():
-        for cfg in (dict(BLOCK_T=1, num_warps=2), dict(BLOCK_T=2, num_warps=2), dict(BLOCK_T=4, num_warps=4)):
+        for cfg in SMALL if m <= 128 else MID:
             t = time_ms(lambda c=c, s=s, cfg=cfg: rk.kv_rope_quant(kv, weight, EPS, c, s, BLOCK, cache, slots,
                                                                  batch_invariant=False, config=cfg))
             rows.append((m, tname, str(cfg), "kernel", t))

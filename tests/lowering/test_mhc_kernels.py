@@ -262,6 +262,12 @@ def test_configs_do_not_change_bits():
     base_p = post_op(t)
     for cfg in tk.CANDIDATES["mhc_post"][:4]:
         assert_equal(post_op(t, config=cfg), base_p, f"post {cfg}")
+    # program order: row-major 1D grid vs (row block, column block) grid, several column blocks, a partial
+    # row block (M = 70)
+    for order in ("row", "col"):
+        for br, bd in ((1, D // 4), (4, D // 2), (8, D)):
+            assert_equal(post_op(t, config=dict(BLOCK_R=br, BLOCK_D=bd, num_warps=2, order=order)), base_p,
+                         f"post order={order} BLOCK_R={br} BLOCK_D={bd}")
 
 
 @pytest.mark.parametrize("weight", ["w", None])
@@ -410,7 +416,8 @@ def _sm90_builds(d: int = 5120) -> tuple[list[str], list[dict]]:
             dict(D=d, BK=bk, BLOCK_R=cfg["BLOCK_R"], XB=tk._norm_block(d, cfg["BLOCK_R"]), NORM=norm, INTERP=False),
             num_warps=cfg["num_warps"])
     cfg = tk.DEFAULTS["mhc_post"]
-    post = dict(D=d, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"], INTERP=False)
+    post = dict(D=d, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"], ROW_MAJOR=cfg.get("order", "row") == "row",
+                INTERP=False)
     post_ptrs = ("y_ptr", "res_ptr", "post_ptr", "comb_ptr", "out_ptr")
     add("post", "_post_kernel", post_ptrs, (), post, num_warps=cfg["num_warps"])
     add("post with FMA contraction", "_post_kernel", post_ptrs, (), post, num_warps=cfg["num_warps"],

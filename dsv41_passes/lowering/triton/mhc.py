@@ -68,10 +68,16 @@ from .mhc_projection import _proj_kernel, mhc_boundary, mhc_pre, mhc_stats, stat
 def _post_kernel(
     y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, M,
     stride_y, stride_r, stride_o,
-    D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INTERP: tl.constexpr,
+    D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ROW_MAJOR: tl.constexpr, INTERP: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    if ROW_MAJOR:  # 1D grid, column blocks of a row block back to back: consecutive programs stream one span
+        NCB: tl.constexpr = (D + BLOCK_D - 1) // BLOCK_D
+        pid = tl.program_id(0).to(tl.int64)
+        rb, cb = pid // NCB, pid % NCB
+    else:  # (row block, column block) grid: consecutive programs read the same columns of successive rows
+        rb, cb = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = cb * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = (rows < M)[:, None] & (cols < D)[None, :]
     rr = rows[:, None]
     yv = tl.load(y_ptr + rr * stride_y + cols[None, :], mask=mask, other=0.0,
@@ -109,10 +115,13 @@ def mhc_post(y, res, post, comb, *, batch_invariant: bool, config: dict | None =
         return out
     cfg = config or tactic("mhc_post", m, dict(d=d, n=n), default_config("mhc_post"), batch_invariant=batch_invariant)
     block_d = min(cfg["BLOCK_D"], triton.next_power_of_2(d))
-    grid = (triton.cdiv(m, cfg["BLOCK_R"]), triton.cdiv(d, block_d))
+    row_major = cfg.get("order", "row") == "row"
+    rblocks, cblocks = triton.cdiv(m, cfg["BLOCK_R"]), triton.cdiv(d, block_d)
+    grid = (rblocks * cblocks,) if row_major else (rblocks, cblocks)
     _post_kernel[grid](
         y, res, post, comb, out, m, y.stride(0), res.stride(0), out.stride(0),
-        D=d, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=block_d, INTERP=INTERPRET, num_warps=cfg["num_warps"],
+        D=d, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=block_d, ROW_MAJOR=row_major, INTERP=INTERPRET,
+        num_warps=cfg["num_warps"],
         **LAUNCH_OPTIONS,
     )
     return out
