@@ -200,7 +200,10 @@ def check(unit: str, name: str, out, t) -> tuple[bool, str]:
 
 
 # ----------------------------------------------------------------------------- main
-def run(ms: list[int]) -> dict[str, Any]:
+UNITS = ("pre", "post", "boundary")
+
+
+def run(ms: list[int], units: tuple[str, ...] = UNITS) -> dict[str, Any]:
     bw = measure_copy_bandwidth()
     print(f"copy bandwidth: {bw / 1e12:.3f} TB/s (read + write)")
     compiled = {u: torch.compile(f, dynamic=True) for u, f in
@@ -211,7 +214,7 @@ def run(ms: list[int]) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for m in ms:
         t = inputs(m)
-        for unit in ("pre", "post", "boundary"):
+        for unit in units:
             roof = BYTES_PER_TOKEN[unit] * m / bw * 1e3
             rows.append(dict(unit=unit, M=m, variant="roofline (HBM)", check="-", ms=roof))
             for name, fn in variants(unit, t, compiled).items():
@@ -295,6 +298,8 @@ def main() -> None:
                                                        "mhc_boundary", "mhc_stats.tilelang"])
     ap.add_argument("--tactics", default=str(Path(__file__).resolve().parent / "results" / "mhc-tactics.json"))
     ap.add_argument("--load-tactics", default=None, help="time with the tuned configs saved by --tune")
+    ap.add_argument("--units", nargs="+", default=list(UNITS), choices=UNITS,
+                    help="what to time, in this order (a subset writes mhc-<units>-*.json)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_mhc.py needs a CUDA device (H200)")
@@ -305,13 +310,16 @@ def main() -> None:
         return
     if a.load_tactics:
         print(f"loaded {tuning.load_tactics(a.load_tactics)} tuned configs from {a.load_tactics}")
-    payload = run(a.ms)
+    units = tuple(a.units)
+    payload = run(a.ms, units)
+    payload["units"] = list(units)
     payload["tactics"] = a.load_tactics
     payload["chunk"] = int(os.environ.get("DSV41_MHC_CHUNK", "32"))
     cols = ["unit", "M", "variant", "check", "ms", "x_roofline", "anchor_ms", "goal_ms"]
     print()
     print(table(payload["rows"], cols))
-    print(f"\nwrote {write_result('mhc', payload)}")
+    name = "mhc" if units == UNITS else "mhc-" + "-".join(units)
+    print(f"\nwrote {write_result(name, payload)}")
 
 
 if __name__ == "__main__":

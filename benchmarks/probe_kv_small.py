@@ -36,3 +36,26 @@ for m in (1, 128, 4096, 16384):
 print("| M | tables | config | path | us |\n|---|---|---|---|---|")
 for m, tname, cfg, path, t in rows:
     print(f"| {m} | {tname} | {cfg} | {path} | {1000 * t:.2f} |")
+
+# The op path timed slower than its kernel (run 18: 4.49 vs 2.79 us at M = 128): list the device work of each.
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+for m in (128, 4096):
+    _, kv, weight, freqs, cos, sin, slots = inputs(m, 1)
+    cache = torch.zeros(SLOTS, 512, dtype=torch.bfloat16, device="cuda")
+    calls = {
+        "op": lambda: torch.ops.dsv41.kv_rope_quant_store(cache, kv, weight, EPS, cos, sin, slots, BLOCK,
+                                                          "triton,reference", 0),
+        "kernel": lambda: rk.kv_rope_quant(kv, weight, EPS, cos, sin, BLOCK, cache, slots, batch_invariant=False),
+    }
+    for name, fn in calls.items():
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+        print(f"--- M={m} {name}: device work of 10 calls")
+        for e in prof.key_averages():
+            if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0:
+                print(f"  {e.key[:90]:90} calls={e.count} device_us={e.self_device_time_total:.1f}")

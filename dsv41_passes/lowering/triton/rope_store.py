@@ -238,8 +238,7 @@ def q_rope_store(
 # KV: RMSNorm + RoPE on the tail + FP8 round trip + cache store
 # ---------------------------------------------------------------------------
 @triton.jit
-def _store_rows(cache_ptr, slot_ptr, t, tok_ok, col, col_ok, out, S, stride_slot, stride_cache):
-    slot = tl.load(slot_ptr + t * stride_slot, mask=tok_ok, other=-1)
+def _store_rows(cache_ptr, slot, tok_ok, col, col_ok, out, S, stride_cache):
     slot = tl.where(slot < 0, slot + S, slot)  # index_put semantics: negative counts from the end
     keep = tok_ok & (slot >= 0) & (slot < S)  # out-of-range slots are skipped, never written
     tl.store(cache_ptr + slot[:, None, None] * stride_cache + col[None, :, :], out,
@@ -261,10 +260,21 @@ def _kv_rope_quant_kernel(
     col = tl.arange(0, NB)[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]  # word = pair index
     col_ok = col < D // 2
     mask = tok_ok[:, None, None] & col_ok[None, :, :]
+    # every global load is issued up front (slots and rope tables do not wait for the norm): one
+    # memory round trip per program instead of three dependent ones
     w = tl.load(kv_ptr + t[:, None, None] * stride_km + col[None, :, :], mask=mask, other=0)
-    x0, x1 = _unpack_bf16x2(w.to(tl.uint32, bitcast=True))
+    if STORE:
+        slot = tl.load(slot_ptr + t * stride_slot, mask=tok_ok, other=-1)
+    p = col - PAIR0
+    rot = tok_ok[:, None, None] & ((p >= 0) & (p < D // 2 - PAIR0))[None, :, :]
+    if PAIRED:
+        cs = tl.load(cos_ptr + t[:, None, None] * stride_cm + p[None, :, :], mask=rot, other=0)
+    else:
+        c = tl.load(cos_ptr + t[:, None, None] * stride_cm + p[None, :, :] * stride_cp, mask=rot, other=0.0)
+        s = tl.load(sin_ptr + t[:, None, None] * stride_sm + p[None, :, :] * stride_sp, mask=rot, other=0.0)
     g0 = tl.load(w_ptr + 2 * col, mask=col_ok, other=0.0)[None, :, :]
     g1 = tl.load(w_ptr + 2 * col + 1, mask=col_ok, other=0.0)[None, :, :]
+    x0, x1 = _unpack_bf16x2(w.to(tl.uint32, bitcast=True))
     # RMSNorm: fp32 statistics, (x * rstd) then * weight, one bf16 rounding
     ms = tl.sum(tl.sum(x0 * x0 + x1 * x1, axis=2), axis=1) * (1.0 / D)
     rstd = tl.math.div_rn(tl.full((BLOCK_T,), 1.0, tl.float32), tl.sqrt_rn(ms + eps))  # torch.rsqrt on CPU
@@ -272,15 +282,9 @@ def _kv_rope_quant_kernel(
     y0 = _round_bf16(g0 * (x0 * rstd), HW)
     y1 = _round_bf16(g1 * (x1 * rstd), HW)
     # RoPE on the last rd dims (pairs never straddle a quant block: BLOCK is even), bf16 rounding
-    p = col - PAIR0
-    rot = tok_ok[:, None, None] & ((p >= 0) & (p < D // 2 - PAIR0))[None, :, :]
     if PAIRED:
-        cs = tl.load(cos_ptr + t[:, None, None] * stride_cm + p[None, :, :], mask=rot, other=0)
         c = (cs & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)  # little endian: cos first
         s = ((cs >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-    else:
-        c = tl.load(cos_ptr + t[:, None, None] * stride_cm + p[None, :, :] * stride_cp, mask=rot, other=0.0)
-        s = tl.load(sin_ptr + t[:, None, None] * stride_sm + p[None, :, :] * stride_sp, mask=rot, other=0.0)
     y0, y1 = _rotate(y0, y1, c, s, rot)
     # FP8 round trip; padded columns are zeros and never raise a block's amax. The results have
     # at most 4 significant bits, so packing them into bf16 is exact.
@@ -288,7 +292,7 @@ def _kv_rope_quant_kernel(
     out = _pack_bf16x2(q0, q1, HW).to(tl.int32, bitcast=True)
     tl.store(out_ptr + t[:, None, None] * stride_om + col[None, :, :], out, mask=mask)
     if STORE:
-        _store_rows(cache_ptr, slot_ptr, t, tok_ok, col, col_ok, out, S, stride_slot, stride_cache)
+        _store_rows(cache_ptr, slot, tok_ok, col, col_ok, out, S, stride_cache)
 
 
 def _paired_table(cos: torch.Tensor, sin: torch.Tensor, m: int) -> torch.Tensor | None:
