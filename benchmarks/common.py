@@ -57,26 +57,36 @@ def time_ms(fn: Callable[[], Any], graph: bool = True, reps: int = 30, inner: in
     """Median milliseconds per call of ``fn`` (CUDA-graph replay unless ``graph=False``).
 
     With a graph, ``inner`` calls are captured back to back and the replay time is
-    divided by ``inner`` (default: enough calls for >= ~1 ms per replay).
+    divided by ``inner`` (default: enough calls for >= ~1 ms per replay, estimated from a one-call
+    graph, up to 200).
     """
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     if not graph:
         return _median_ms(fn, reps)
-    est = _median_ms(fn, 5)
-    n = inner or max(1, min(200, int(1.0 / max(est, 1e-3))))
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         fn()
     torch.cuda.current_stream().wait_stream(s)
+    n = inner
+    if n is None:
+        # size the replay from a one-call graph's device time, not from eager calls: an op's host
+        # overhead would shrink n and leave the graph launch (several us) on each small call
+        est = _median_ms(_capture(fn, 1).replay, 5)
+        n = max(1, min(200, int(1.0 / max(est, 1e-3))))
+    g = _capture(fn, n)
+    return _median_ms(g.replay, reps) / n
+
+
+def _capture(fn: Callable[[], Any], n: int) -> "torch.cuda.CUDAGraph":
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for _ in range(n):
             fn()
     torch.cuda.synchronize()
-    return _median_ms(g.replay, reps) / n
+    return g
 
 
 def measure_copy_bandwidth(gib: float = 4.0) -> float:

@@ -45,7 +45,20 @@ def post(m: int = 65536) -> None:
     show(what, "3 after timing Inductor's post", fns)
     ok, _ = bench_mhc.check("post", "triton", fns["triton"](), t)
     torch.cuda.empty_cache()
-    show(what, f"4 after the reference check (ok={ok}) + empty_cache", fns)
+    step = f"4 after the reference check (ok={ok}) + empty_cache"
+    show(what, step, fns)
+    d0 = tk.DEFAULTS["mhc_post"]
+    configs = {"default, order=col": dict(d0, order="col"), "R1 D1024 w4": dict(BLOCK_R=1, BLOCK_D=1024, num_warps=4),
+               "R1 D2048 w8": dict(BLOCK_R=1, BLOCK_D=2048, num_warps=8),
+               "R2 D1024 w8": dict(BLOCK_R=2, BLOCK_D=1024, num_warps=8),
+               "R4 D1024 w8": dict(BLOCK_R=4, BLOCK_D=1024, num_warps=8),
+               "R1 D512 w4": dict(BLOCK_R=1, BLOCK_D=512, num_warps=4),
+               "R2 D512 w4": dict(BLOCK_R=2, BLOCK_D=512, num_warps=4)}
+    show(what, step, {k: (lambda c=c: tk.mhc_post(y, h, po, co, batch_invariant=False, config=c))
+                      for k, c in configs.items()})
+    out = torch.empty_like(h)
+    show(what, "5 then an unused 2.7 GB tensor allocated", fns)
+    del out
     del t, y, h, po, co
     torch.cuda.empty_cache()
 
