@@ -202,8 +202,8 @@ def check(unit: str, name: str, out, t) -> tuple[bool, str]:
 # ----------------------------------------------------------------------------- main
 UNITS = ("pre", "post", "boundary")
 # Timing right after the reference check, with its freed temporaries still cached by the allocator,
-# made the post 11% slower for every kernel, TileKernels' included (run 18: 1.605 / 1.598 ms vs 1.449 /
-# 1.436 in probe_post.py); --keep-cache reproduces that condition.
+# made the post ~8% slower for every kernel at M = 16384, TileKernels' included (run 20: 0.396 / 0.399
+# ms kept vs 0.367 / 0.362 released); --keep-cache reproduces that condition.
 RELEASE_CACHE = True
 
 

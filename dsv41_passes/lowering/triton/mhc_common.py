@@ -22,13 +22,16 @@ _NP = tl.constexpr(NP)
 
 # Every projection config keeps BLOCK_M >= 16 * num_warps: on Hopper each warpgroup then owns 64 rows
 # and the dots lower to the same wgmma m64n32k16 chain, so a row's bits do not depend on the config.
-# Defaults: the configs the H200 tuning run of 2026-11-29 picked for pre and post at M = 65536
+# Defaults: the configs the H200 tuning run of 2026-11-29 picked for pre at M = 65536
 # (benchmarks/results/mhc-tune-NVIDIA_H200-2026-11-29.json; its picks at 4096 and 128 differ).
+# Post: four rows x 1024 columns a program, programs in row-major order (run 18 and 22 probes at M = 65536:
+# 1.45 ms, 98% of the copy roofline, in every allocator state tried; the tuned one-row config ran
+# 1.45 or 1.60 ms depending on where the output landed: run22-probe_harness.log).
 # finish="kernel": the reduction + norm of pre and boundary run as a second launch spread over
 # (row block, column part) programs instead of by the last slice program of each row block (same
 # bits; pre 1.75 vs 1.86 ms at M = 65536, 0.025 vs 0.056 ms at 128: run14-quick_check-mhc.log).
 DEFAULTS: dict[str, dict] = {
-    "mhc_post": dict(BLOCK_R=1, BLOCK_D=1024, num_warps=8),
+    "mhc_post": dict(BLOCK_R=4, BLOCK_D=1024, num_warps=8),
     "mhc_collapse": dict(BLOCK_R=32, num_warps=4),
     "mhc_stats": dict(BLOCK_M=64, num_warps=4, num_stages=3),
     "mhc_pre": dict(BLOCK_M=64, num_warps=4, num_stages=3, finish="kernel"),
