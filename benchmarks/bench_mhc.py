@@ -205,6 +205,7 @@ UNITS = ("pre", "post", "boundary")
 # made the post ~8% slower for every kernel at M = 16384, TileKernels' included (run 20: 0.396 / 0.399
 # ms kept vs 0.367 / 0.362 released); --keep-cache reproduces that condition.
 RELEASE_CACHE = True
+CHECK_AFTER = False  # --check-after: time each variant before its reference check
 
 
 def run(ms: list[int], units: tuple[str, ...] = UNITS) -> dict[str, Any]:
@@ -224,11 +225,14 @@ def run(ms: list[int], units: tuple[str, ...] = UNITS) -> dict[str, Any]:
             for name, fn in variants(unit, t, compiled).items():
                 row: dict[str, Any] = dict(unit=unit, M=m, variant=name)
                 try:
+                    if CHECK_AFTER:
+                        row["ms"] = time_ms(fn)
                     ok, note = check(unit, name, fn(), t)
                     row["check"] = "PASS" if ok else f"FAIL {note}".strip()
                     if RELEASE_CACHE:  # the check's fp32 temporaries (GBs) go back to the driver first
                         torch.cuda.empty_cache()
-                    row["ms"] = time_ms(fn)
+                    if not CHECK_AFTER:
+                        row["ms"] = time_ms(fn)
                     row["x_roofline"] = row["ms"] / roof if roof else None
                 except Exception as e:  # report and continue with the other variants
                     row["check"] = f"ERROR {type(e).__name__}: {str(e)[:80]}"
@@ -306,6 +310,7 @@ def main() -> None:
     ap.add_argument("--load-tactics", default=None, help="time with the tuned configs saved by --tune")
     ap.add_argument("--keep-cache", action="store_true",
                     help="time without releasing the reference check's cached memory first (the run <= 17 harness)")
+    ap.add_argument("--check-after", action="store_true", help="time each variant before its reference check")
     ap.add_argument("--units", nargs="+", default=list(UNITS), choices=UNITS,
                     help="what to time, in this order (a subset writes mhc-<units>-*.json)")
     a = ap.parse_args()
@@ -318,18 +323,20 @@ def main() -> None:
         return
     if a.load_tactics:
         print(f"loaded {tuning.load_tactics(a.load_tactics)} tuned configs from {a.load_tactics}")
-    global RELEASE_CACHE
-    RELEASE_CACHE = not a.keep_cache
+    global RELEASE_CACHE, CHECK_AFTER
+    RELEASE_CACHE, CHECK_AFTER = not a.keep_cache, a.check_after
     units = tuple(a.units)
     payload = run(a.ms, units)
     payload["units"] = list(units)
     payload["release_cache_before_timing"] = RELEASE_CACHE
+    payload["timed_before_check"] = CHECK_AFTER
     payload["tactics"] = a.load_tactics
     payload["chunk"] = int(os.environ.get("DSV41_MHC_CHUNK", "32"))
     cols = ["unit", "M", "variant", "check", "ms", "x_roofline", "anchor_ms", "goal_ms"]
     print()
     print(table(payload["rows"], cols))
-    name = ("mhc" if units == UNITS else "mhc-" + "-".join(units)) + ("-keep-cache" if a.keep_cache else "")
+    name = ("mhc" if units == UNITS else "mhc-" + "-".join(units)) + ("-keep-cache" if a.keep_cache else "") + (
+        "-check-after" if a.check_after else "")
     print(f"\nwrote {write_result(name, payload)}")
 
 
