@@ -42,14 +42,14 @@ for b in spec["builds"]:
             f.flush()
             text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
         usage = {k: int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", text)}
-    out.append(dict(ptx=c.asm["ptx"], shared=c.metadata.shared, usage=usage))
+    out.append(dict(ptx=c.asm["ptx"], ttir=c.asm.get("ttir", ""), shared=c.metadata.shared, usage=usage))
 print(json.dumps(out))
 """
 
 
 def build_sm90(builds: list[dict]) -> list[dict]:
     """``builds``: dicts with module, kernel, types (arg -> ``*bf16``/``fp32``/...; others i32),
-    aligned (int args divisible by 16), constexprs, options. Returns ``[{ptx, shared, usage}]``, usage
+    aligned (int args divisible by 16), constexprs, options. Returns ``[{ptx, ttir, shared, usage}]``, usage
     the cubin's per-thread ``REG``/``STACK`` (spill) counts from Triton's bundled cuobjdump."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"

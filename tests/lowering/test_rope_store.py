@@ -383,8 +383,14 @@ def test_kv_kernel_builds_for_sm90_with_hardware_conversions():
     builds.append(dict(builds[0], constexprs=dict(builds[0]["constexprs"], BLOCK_T=4)))
     builds.append(dict(builds[0], types=dict(types, cos_ptr="*i64", sin_ptr="*i64"),
                        constexprs=dict(builds[0]["constexprs"], BLOCK_T=4, PAIRED=True)))
-    hw_build, bit_build, planar, paired = (instructions(b["ptx"]) for b in build_sm90(builds))
+    built = build_sm90(builds)
+    hw_build, bit_build, planar, paired = (instructions(b["ptx"]) for b in built)
     assert not any(i.startswith("fma.") for i in paired)
+    # no layout-ordered sum: every tt.reduce left is a max (the FP8 block amax, exact in any order);
+    # the RMS sum of squares is an explicit pairwise tree, so BLOCK_T / num_warps cannot change bits
+    for b in built:
+        bodies = [r.split("tt.reduce.return")[0] for r in b["ttir"].split('"tt.reduce"')[1:]]
+        assert bodies and not any("arith.addf" in body for body in bodies), bodies
 
     def loads(ins, width):
         return sum("ld.global" in i and width in i for i in ins)
@@ -395,3 +401,11 @@ def test_kv_kernel_builds_for_sm90_with_hardware_conversions():
     assert {"cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.bf16.f32"} <= ops, sorted(ops)
     assert not any(i.startswith("fma.") for i in hw_build + bit_build)
     assert len(hw_build) < 0.8 * len(bit_build), (len(hw_build), len(bit_build))
+
+
+def test_kv_triton_declines_head_dims_past_its_sum_tree():
+    from dsv41_passes.lowering.rope_store import _kv_triton_why
+
+    assert _kv_triton_why(torch.empty(2, 2048, dtype=BF16), 32, None) is None
+    why = _kv_triton_why(torch.empty(2, 4096, dtype=BF16), 32, None)
+    assert why and "1024 bf16 pairs" in why

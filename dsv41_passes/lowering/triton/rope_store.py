@@ -62,6 +62,39 @@ CANDIDATES: dict[str, list[dict]] = {
 
 
 @triton.jit
+def _halve(t, R: tl.constexpr, W: tl.constexpr):
+    a, b = tl.split(tl.reshape(t, (R, W // 2, 2)))
+    return a + b
+
+
+@triton.jit
+def _tree_sum(t, R: tl.constexpr, W: tl.constexpr):
+    """``[R, W] -> [R]`` (W a power of two <= 1024): adjacent pairs, then pairs of those, ...; the
+    order is fixed by the shape, never by the register layout."""
+    if W >= 1024:
+        t = _halve(t, R, 1024)
+    if W >= 512:
+        t = _halve(t, R, 512)
+    if W >= 256:
+        t = _halve(t, R, 256)
+    if W >= 128:
+        t = _halve(t, R, 128)
+    if W >= 64:
+        t = _halve(t, R, 64)
+    if W >= 32:
+        t = _halve(t, R, 32)
+    if W >= 16:
+        t = _halve(t, R, 16)
+    if W >= 8:
+        t = _halve(t, R, 8)
+    if W >= 4:
+        t = _halve(t, R, 4)
+    if W >= 2:
+        t = _halve(t, R, 2)
+    return tl.reshape(t, (R,))
+
+
+@triton.jit
 def _unpack_bf16x2(w):
     """uint32 words holding bf16 pairs (little endian) -> (even, odd) elements as fp32, exactly."""
     return (w << 16).to(tl.float32, bitcast=True), (w & 0xFFFF0000).to(tl.float32, bitcast=True)
@@ -276,7 +309,10 @@ def _kv_rope_quant_kernel(
     g1 = tl.load(w_ptr + 2 * col + 1, mask=col_ok, other=0.0)[None, :, :]
     x0, x1 = _unpack_bf16x2(w.to(tl.uint32, bitcast=True))
     # RMSNorm: fp32 statistics, (x * rstd) then * weight, one bf16 rounding
-    ms = tl.sum(tl.sum(x0 * x0 + x1 * x1, axis=2), axis=1) * (1.0 / D)
+    # (a fixed pairwise tree: tl.sum's order follows the register layout, so it changed a row's bits
+    # with BLOCK_T / num_warps on the GPU)
+    ms = _tree_sum(tl.reshape(x0 * x0 + x1 * x1, (BLOCK_T, NB * (BLOCK // 2))), BLOCK_T, NB * (BLOCK // 2))
+    ms = ms * (1.0 / D)
     rstd = tl.math.div_rn(tl.full((BLOCK_T,), 1.0, tl.float32), tl.sqrt_rn(ms + eps))  # torch.rsqrt on CPU
     rstd = tl.expand_dims(tl.expand_dims(rstd, 1), 2)
     y0 = _round_bf16(g0 * (x0 * rstd), HW)
