@@ -221,9 +221,6 @@ def _kv_triton_why(kv: torch.Tensor, block: int, cache: torch.Tensor | None) -> 
         return why
     if block % 2 or block & (block - 1):
         return f"FP8 block {block} is not an even power of two"
-    words = (1 << max(0, (kv.shape[-1] // block - 1).bit_length())) * block // 2
-    if words > 1024:
-        return f"head_dim {kv.shape[-1]}: the kernel's sum-of-squares tree takes at most 1024 bf16 pairs"
     return _pair_words_why(kv=kv, **({} if cache is None else dict(cache=cache)))
 
 

@@ -378,7 +378,8 @@ def test_kv_kernel_builds_for_sm90_with_hardware_conversions():
                  cache_ptr="*i32", eps="fp32")
     builds = [dict(module="dsv41_passes.lowering.triton.rope_store", kernel="_kv_rope_quant_kernel", types=types,
                    aligned=["stride_km", "stride_om", "stride_cm", "stride_sm", "stride_cache"],
-                   constexprs=dict(D=512, PAIR0=224, BLOCK=32, NB=16, BLOCK_T=1, STORE=True, PAIRED=False, HW=hw),
+                   constexprs=dict(D=512, PAIR0=224, BLOCK=32, NB=16, BLOCK_T=1, STORE=True, PAIRED=False, HW=hw,
+                                   TREE=False),
                    options=dict(num_warps=2, enable_fp_fusion=False)) for hw in (True, False)]
     builds.append(dict(builds[0], constexprs=dict(builds[0]["constexprs"], BLOCK_T=4)))
     builds.append(dict(builds[0], types=dict(types, cos_ptr="*i64", sin_ptr="*i64"),
@@ -386,11 +387,16 @@ def test_kv_kernel_builds_for_sm90_with_hardware_conversions():
     built = build_sm90(builds)
     hw_build, bit_build, planar, paired = (instructions(b["ptx"]) for b in built)
     assert not any(i.startswith("fma.") for i in paired)
-    # no layout-ordered sum: every tt.reduce left is a max (the FP8 block amax, exact in any order);
-    # the RMS sum of squares is an explicit pairwise tree, so BLOCK_T / num_warps cannot change bits
-    for b in built:
+    # sum="tree": no layout-ordered sum left, every tt.reduce is a max (the FP8 block amax, exact in
+    # any order), so BLOCK_T / num_warps cannot change bits; the default build still sums with tl.sum
+    def add_reduces(b):
         bodies = [r.split("tt.reduce.return")[0] for r in b["ttir"].split('"tt.reduce"')[1:]]
-        assert bodies and not any("arith.addf" in body for body in bodies), bodies
+        return sum("arith.addf" in body for body in bodies), len(bodies)
+
+    for b in build_sm90([dict(builds[3], constexprs=dict(builds[3]["constexprs"], TREE=True, BLOCK_T=bt))
+                         for bt in (1, 4)]):
+        assert add_reduces(b)[0] == 0 and add_reduces(b)[1] > 0, b["ttir"][-2000:]
+    assert add_reduces(built[3])[0] > 0
 
     def loads(ins, width):
         return sum("ld.global" in i and width in i for i in ins)
@@ -403,9 +409,20 @@ def test_kv_kernel_builds_for_sm90_with_hardware_conversions():
     assert len(hw_build) < 0.8 * len(bit_build), (len(hw_build), len(bit_build))
 
 
-def test_kv_triton_declines_head_dims_past_its_sum_tree():
-    from dsv41_passes.lowering.rope_store import _kv_triton_why
+def test_kv_tree_sum_rejects_head_dims_past_its_tree():
+    kv, w = torch.zeros(2, 4096, dtype=BF16), torch.ones(4096)
+    cos = sin = torch.zeros(2, 32)
+    with pytest.raises(ValueError, match="1024 bf16 pairs"):
+        tk.kv_rope_quant(kv, w, 1e-6, cos, sin, 32, batch_invariant=False, config=dict(BLOCK_T=1, num_warps=2,
+                                                                                          sum="tree"))
 
-    assert _kv_triton_why(torch.empty(2, 2048, dtype=BF16), 32, None) is None
-    why = _kv_triton_why(torch.empty(2, 4096, dtype=BF16), 32, None)
-    assert why and "1024 bf16 pairs" in why
+
+@pytest.mark.parametrize("m,d,rd,block,scale", [(37, 64, 16, 32, 4.0), (9, 96, 32, 32, 1e-3), (5, 512, 64, 32, 300.0)])
+def test_kv_tree_sum_option_is_the_reference(m, d, rd, block, scale):
+    """sum="tree" (the layout-independent sum of squares) computes the reference bits too."""
+    cache, kv, weight, cos, sin, slots = _kv_case(m, d, rd, 2 * m + 3, scale)
+    want = kv_rope_quant_reference(kv, weight, 1e-6, cos, sin, block)
+    for bt, w in ((1, 2), (4, 4)):
+        out = tk.kv_rope_quant(kv, weight, 1e-6, cos, sin, block, cache, slots, batch_invariant=False,
+                               config=dict(BLOCK_T=bt, num_warps=w, sum="tree"))
+        assert torch.equal(_bits(out), _bits(want)) and torch.equal(_bits(cache[slots]), _bits(want))

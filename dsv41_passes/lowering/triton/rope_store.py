@@ -21,7 +21,11 @@ operation whose order can differ from torch's is the RMSNorm sum of squares.
 
 M is a runtime argument (``do_not_specialize``), every offset that involves the token
 index is int64 (a padded Q buffer of 65536 x 64 x 512 bf16 is 4 GiB), and per-row
-arithmetic never depends on M or on the launch grid.
+arithmetic never depends on M or on the launch grid. It can depend on the launch config in one
+place: the KV sum of squares (``tl.sum``) follows the register layout, so on the GPU a row's bits
+may change with BLOCK_T / num_warps. Batch-invariant mode always runs ``KV_DEFAULT``; outside it
+the untuned config depends on M (``kv_untuned_config``). The ``sum="tree"`` config option makes
+the sum a fixed pairwise tree (layout-independent), pending a GPU timing.
 """
 
 from __future__ import annotations
@@ -283,7 +287,7 @@ def _kv_rope_quant_kernel(
     kv_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, cache_ptr, M, S, eps,
     stride_km, stride_om, stride_cm, stride_cp, stride_sm, stride_sp, stride_slot, stride_cache,
     D: tl.constexpr, PAIR0: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
-    BLOCK_T: tl.constexpr, STORE: tl.constexpr, PAIRED: tl.constexpr, HW: tl.constexpr,
+    BLOCK_T: tl.constexpr, STORE: tl.constexpr, PAIRED: tl.constexpr, HW: tl.constexpr, TREE: tl.constexpr,
 ):
     # tile [BLOCK_T tokens, NB quant blocks, BLOCK/2 words]; kv/out/cache pointers and strides in words.
     # PAIRED: cos_ptr points at int64 words holding (cos, sin) of a pair (the interleaved table of
@@ -309,9 +313,14 @@ def _kv_rope_quant_kernel(
     g1 = tl.load(w_ptr + 2 * col + 1, mask=col_ok, other=0.0)[None, :, :]
     x0, x1 = _unpack_bf16x2(w.to(tl.uint32, bitcast=True))
     # RMSNorm: fp32 statistics, (x * rstd) then * weight, one bf16 rounding
-    # (a fixed pairwise tree: tl.sum's order follows the register layout, so it changed a row's bits
-    # with BLOCK_T / num_warps on the GPU)
-    ms = _tree_sum(tl.reshape(x0 * x0 + x1 * x1, (BLOCK_T, NB * (BLOCK // 2))), BLOCK_T, NB * (BLOCK // 2))
+    # tl.sum's order follows the register layout: on the GPU a row's bits change with BLOCK_T /
+    # num_warps (run 25). TREE: a fixed pairwise tree instead (layout-independent; 20% more
+    # instructions in the sm_90 build, not yet timed on the GPU, so not the default).
+    sq = x0 * x0 + x1 * x1
+    if TREE:
+        ms = _tree_sum(tl.reshape(sq, (BLOCK_T, NB * (BLOCK // 2))), BLOCK_T, NB * (BLOCK // 2))
+    else:
+        ms = tl.sum(tl.sum(sq, axis=2), axis=1)
     ms = ms * (1.0 / D)
     rstd = tl.math.div_rn(tl.full((BLOCK_T,), 1.0, tl.float32), tl.sqrt_rn(ms + eps))  # torch.rsqrt on CPU
     rstd = tl.expand_dims(tl.expand_dims(rstd, 1), 2)
@@ -355,6 +364,9 @@ def kv_rope_quant(
     default = KV_DEFAULT if batch_invariant else kv_untuned_config(m)
     cfg = config or tactic(op, m, kv_shape_key(kv, cos, block), default=default, batch_invariant=batch_invariant)
     block_t = cfg["BLOCK_T"]
+    nb = triton.next_power_of_2(d // block)
+    if cfg.get("sum") == "tree" and nb * block // 2 > 1024:
+        raise ValueError(f"kv_rope_quant: sum='tree' takes at most 1024 bf16 pairs a row, head_dim {d} has more")
     store = cache is not None
     if not store:  # placeholders the STORE=False kernel never touches
         cache, slots = out, out.new_empty((0,), dtype=torch.int64)
@@ -366,8 +378,9 @@ def kv_rope_quant(
         kw, weight, cos, sin, slots, ow, cw, m, cache.shape[0] if store else 0, float(eps),
         kw.stride(0), ow.stride(0), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         slots.stride(0), cw.stride(0),
-        D=d, PAIR0=(d - rd) // 2, BLOCK=block, NB=triton.next_power_of_2(d // block),
+        D=d, PAIR0=(d - rd) // 2, BLOCK=block, NB=nb,
         BLOCK_T=block_t, STORE=store, PAIRED=pairs is not None, HW=cfg.get("HW", not INTERPRET),
+        TREE=cfg.get("sum") == "tree",
         num_warps=cfg["num_warps"], enable_fp_fusion=False,
     )
     return out
