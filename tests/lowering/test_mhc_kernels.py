@@ -4,8 +4,6 @@ with small shapes; the ``gpu`` tests repeat the numerics at V4.1-Flash shapes on
 
 from __future__ import annotations
 
-import os
-import shutil
 
 import pytest
 import torch
@@ -368,114 +366,6 @@ def test_ops_run_the_triton_provider():
         assert_equal(a, b, "boundary via op")
     out = torch.ops.dsv41.mhc_post(t["y"], t["h"], t["post"], t["comb"], "triton,reference", mode)
     assert_equal(out, post_op(t), "post via op")
-
-
-# ----------------------------------------------------------------------------- lowering for sm_90 without a GPU
-def _sm90_builds(d: int = 5120) -> tuple[list[str], list[dict]]:
-    """(names, build specs) for tests/sm90.py: every projection candidate and each elementwise kernel
-    as launched, plus the post with FMA contraction on (the control for the no-FMA check)."""
-    mod = "dsv41_passes.lowering.triton.mhc"
-    bf16 = ("h_ptr", "y_ptr", "new_ptr", "x_ptr", "parts_ptr", "res_ptr", "out_ptr")
-    names, builds = [], []
-
-    def add(name, kernel, pointers, floats, consts, module=mod, **options):
-        types = {n: ("*bf16" if n in bf16 else "*i32" if n == "count_ptr" else "*fp32") for n in pointers}
-        types |= {n: "fp32" for n in floats}
-        aligned = ["stride_h", "stride_y", "stride_n", "stride_x", "stride_r", "stride_o"]
-        names.append(name)
-        builds.append(dict(module=module, kernel=kernel, types=types, aligned=aligned, constexprs=consts,
-                           options={**tk.LAUNCH_OPTIONS, **options}))
-
-    proj_ptrs = ("h_ptr y_ptr post_in_ptr comb_in_ptr new_ptr pre_prev_ptr x_ptr w_ptr parts_ptr scale_ptr base_ptr "
-                 "pre_ptr post_ptr comb_ptr mix_ptr ws_ptr ss_ptr xss_ptr count_ptr").split()
-    floats = ("hc_eps", "norm_eps", "eps")
-    bk = tk.slice_geometry(d)[1]
-    variants = {(c["BLOCK_M"], c["num_warps"]) for c in tk.CANDIDATES["mhc_pre"]}
-    for bm, warps in sorted(variants):
-        consts = dict(D=d, BK=bk, BM=bm, XB=tk._norm_block(d, bm), BOUNDARY=False, COLLAPSE=True, NORM=True,
-                      MIXES=False, FINISH=True, INTERP=False)
-        add(f"pre {bm}x{warps}", "_proj_kernel", proj_ptrs, floats, consts, num_warps=warps, num_stages=3)
-    cfg = tk.DEFAULTS["mhc_pre"]
-    bm = cfg["BLOCK_M"]
-    add("pre finish=kernel", "_proj_kernel", proj_ptrs, floats,
-        dict(D=d, BK=bk, BM=bm, XB=tk._norm_block(d, bm), BOUNDARY=False, COLLAPSE=True, NORM=True, MIXES=False,
-             FINISH=False, INTERP=False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    xb = tk._norm_block(d, bm)
-    add("finish kernel", "_finish_kernel",
-        "x_ptr w_ptr scale_ptr base_ptr pre_ptr post_ptr comb_ptr mix_ptr ws_ptr ss_ptr xss_ptr".split(), floats,
-        dict(D=d, BM=bm, XB=xb, NC=d // xb // 16, NORM=True, MIXES=False, INTERP=False),
-        module="dsv41_passes.lowering.triton.mhc_projection", num_warps=4)
-    cfg = tk.DEFAULTS["mhc_boundary"]
-    add("boundary", "_proj_kernel", proj_ptrs, floats,
-        dict(D=d, BK=bk, BM=cfg["BLOCK_M"], XB=tk._norm_block(d, cfg["BLOCK_M"]), BOUNDARY=True, COLLAPSE=True,
-             NORM=True, MIXES=False, FINISH=True, INTERP=False), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
-    cfg = tk.DEFAULTS["mhc_collapse"]
-    for norm in (False, True):
-        add(f"collapse norm={norm}", "_collapse_kernel", ("h_ptr", "pre_ptr", "w_ptr", "x_ptr"), ("eps",),
-            dict(D=d, BK=bk, BLOCK_R=cfg["BLOCK_R"], XB=tk._norm_block(d, cfg["BLOCK_R"]), NORM=norm, INTERP=False),
-            num_warps=cfg["num_warps"])
-    cfg = tk.DEFAULTS["mhc_post"]
-    post = dict(D=d, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"], ROW_MAJOR=cfg.get("order", "row") == "row",
-                INTERP=False)
-    post_ptrs = ("y_ptr", "res_ptr", "post_ptr", "comb_ptr", "out_ptr")
-    add("post", "_post_kernel", post_ptrs, (), post, num_warps=cfg["num_warps"])
-    add("post with FMA contraction", "_post_kernel", post_ptrs, (), post, num_warps=cfg["num_warps"],
-        enable_fp_fusion=True)
-    return names, builds
-
-
-def test_triton_sm90_builds_one_wgmma_shape_and_no_fma():
-    """The GPU builds (compiled for sm_90 with Triton's bundled ptxas, in a child process):
-
-    * batch invariance of the tensor-core dots: every candidate (BLOCK_M, num_warps) lowers the
-      projection to the same wgmma instruction;
-    * GPU bits == interpreter bits: no kernel, as launched, contracts a product and a sum into an
-      FMA (the control build with contraction on does); the only FMAs are the explicit ``tl.fma``
-      sums of squares, which round once on both."""
-    from sm90 import build_sm90, instructions
-
-    names, builds = _sm90_builds()
-    built = dict(zip(names, build_sm90(builds)))
-    pre = [n for n in names if n.startswith("pre ")]
-    assert len(pre) >= 4, pre
-    for n in pre:
-        ins = instructions(built[n]["ptx"])
-        found = sorted({i.split()[0] for i in ins if i.startswith("wgmma.mma_async")})
-        assert found == ["wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16"], (n, found)
-        # 12 wgmma groups per chunk (4 streams x hi/mid/lo), plus the epilogue's
-        groups = sum(i.startswith("wgmma.commit_group") for i in ins)
-        assert groups in range(12, 20), (n, groups)
-    # the default configs keep everything in registers (under Triton 3.9 the previous projection spilled)
-    default = tk.DEFAULTS["mhc_pre"]
-    usage = built[f"pre {default['BLOCK_M']}x{default['num_warps']}"]["usage"]
-    assert usage and usage["STACK"] == 0 and usage["REG"] <= 255, usage
-    for n in ("collapse norm=False", "collapse norm=True", "post", "finish kernel"):
-        assert built[n]["usage"]["STACK"] == 0, (n, built[n]["usage"])
-    for n, b in built.items():
-        # the kernels' only FMAs are their explicit sums of squares, ``tl.fma(x, x, acc)``
-        fmas = [i.split(None, 1)[1].rstrip(";").replace(" ", "").split(",") for i in instructions(b["ptx"])
-                if i.startswith("fma.")]
-        contracted = [f for f in fmas if f[1] != f[2]]
-        if n == "post with FMA contraction":
-            assert contracted, "the control build should contract the combine into FMAs"
-        else:
-            assert not contracted, f"{n}: {len(contracted)} contracted FMAs, e.g. {contracted[0]}"
-
-
-def test_tilelang_kernels_compile_for_sm90a(tmp_path, monkeypatch):
-    pytest.importorskip("tilelang")
-    if shutil.which("nvcc") is None:
-        pytest.skip("nvcc is not installed: TileLang cannot build the sm_90a cubin")
-    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
-    from dsv41_passes.lowering.tilelang import mhc as tlk
-
-    cfg = tlk.DEFAULTS["mhc_stats"]
-    partial = tlk.compile_kernel(tlk.build_partial(5120, cfg["BLOCK_M"], cfg["threads"], cfg["num_stages"]))
-    src = partial.get_kernel_source()
-    assert "wgmma" in src and "tma_load" in src
-    finish = tlk.compile_kernel(tlk.build_finish(5120, cfg["FINISH_ROWS"], ITERS, HC_EPS, NORM_EPS))
-    assert "finish" in finish.get_kernel_source()
 
 
 # ----------------------------------------------------------------------------- H200 (gpu) tests
