@@ -83,6 +83,11 @@ def kv(m: int) -> None:
     row("kv", f"roofline M={m}", "", roof)
     configs = [rk.KV_DEFAULT, *(c for c in rk.CANDIDATES["kv_rope_quant_store"]
                                 if c["num_warps"] >= 2 and c["BLOCK_T"] in (4, 8))]
+    # the layout-independent sum of squares: same bits in every config (compared with the first)
+    tree = [dict(c, sum="tree") for c in (rk.KV_DEFAULT, dict(BLOCK_T=8, num_warps=4), rk.KV_SMALL_M)]
+    time_configs("kv", m, roof, _names(tree),
+                 lambda cfg: rk.kv_rope_quant(kv_in, w, 1e-6, cos, sin, block, cache, slots, batch_invariant=False,
+                                              config=cfg))
     time_configs("kv", m, roof, _names(configs),
                  lambda cfg: rk.kv_rope_quant(kv_in, w, 1e-6, cos, sin, block, cache, slots, batch_invariant=False,
                                               config=cfg), base)
