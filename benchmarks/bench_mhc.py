@@ -203,12 +203,12 @@ def check(unit: str, name: str, out, t) -> tuple[bool, str]:
 UNITS = ("pre", "post", "boundary")
 # Timing right after the reference check, with its freed temporaries still cached by the allocator,
 # made the post ~8% slower for every kernel at M = 16384, TileKernels' included (run 20: 0.396 / 0.399
-# ms kept vs 0.367 / 0.362 released); --keep-cache reproduces that condition.
-RELEASE_CACHE = True
-CHECK_AFTER = False  # --check-after: time each variant before its reference check
+# ms kept vs 0.367 / 0.362 released); --keep-cache reproduces that condition. check_after: time each
+# variant before its reference check.
 
 
-def run(ms: list[int], units: tuple[str, ...] = UNITS) -> dict[str, Any]:
+def run(ms: list[int], units: tuple[str, ...] = UNITS, release_cache: bool = True,
+        check_after: bool = False) -> dict[str, Any]:
     bw = measure_copy_bandwidth()
     print(f"copy bandwidth: {bw / 1e12:.3f} TB/s (read + write)")
     compiled = {u: torch.compile(f, dynamic=True) for u, f in
@@ -225,13 +225,13 @@ def run(ms: list[int], units: tuple[str, ...] = UNITS) -> dict[str, Any]:
             for name, fn in variants(unit, t, compiled).items():
                 row: dict[str, Any] = dict(unit=unit, M=m, variant=name)
                 try:
-                    if CHECK_AFTER:
+                    if check_after:
                         row["ms"] = time_ms(fn)
                     ok, note = check(unit, name, fn(), t)
                     row["check"] = "PASS" if ok else f"FAIL {note}".strip()
-                    if RELEASE_CACHE:  # the check's fp32 temporaries (GBs) go back to the driver first
+                    if release_cache:  # the check's fp32 temporaries (GBs) go back to the driver first
                         torch.cuda.empty_cache()
-                    if not CHECK_AFTER:
+                    if not check_after:
                         row["ms"] = time_ms(fn)
                     row["x_roofline"] = row["ms"] / roof if roof else None
                 except Exception as e:  # report and continue with the other variants
@@ -323,13 +323,11 @@ def main() -> None:
         return
     if a.load_tactics:
         print(f"loaded {tuning.load_tactics(a.load_tactics)} tuned configs from {a.load_tactics}")
-    global RELEASE_CACHE, CHECK_AFTER
-    RELEASE_CACHE, CHECK_AFTER = not a.keep_cache, a.check_after
     units = tuple(a.units)
-    payload = run(a.ms, units)
+    payload = run(a.ms, units, release_cache=not a.keep_cache, check_after=a.check_after)
     payload["units"] = list(units)
-    payload["release_cache_before_timing"] = RELEASE_CACHE
-    payload["timed_before_check"] = CHECK_AFTER
+    payload["release_cache_before_timing"] = not a.keep_cache
+    payload["timed_before_check"] = a.check_after
     payload["tactics"] = a.load_tactics
     payload["chunk"] = int(os.environ.get("DSV41_MHC_CHUNK", "32"))
     cols = ["unit", "M", "variant", "check", "ms", "x_roofline", "anchor_ms", "goal_ms"]

@@ -18,7 +18,7 @@ and never depend on M, the launch grid or the config:
 * Sums of squares (of the residual, and of the rounded collapse for the norm):
   fp32 elementwise accumulation per chunk position (explicit ``tl.fma``, which
   rounds once on the GPU and in the interpreter alike), then a fixed pairwise tree
-  over the BK positions (``_row_sum``; ``tl.sum`` is avoided because its tree
+  over the BK positions (``pairwise_row_sum``; ``tl.sum`` is avoided because its tree
   follows the register layout, which changes with the config), then the slice
   sums in slice order.
 * Sinkhorn: a row block at once as [BM, 4] tiles per comb row, explicit reduction trees.
@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ...tuning import tactic
 from ..mhc_weights import slice_geometry
-from .common import INTERPRET, rne_bf16
+from .common import INTERPRET, pairwise_row_sum, rne_bf16
 from .mhc_common import (  # noqa: F401  (the family's configs, re-exported)
     CANDIDATES,
     DEFAULTS,
@@ -56,7 +56,6 @@ from .mhc_common import (  # noqa: F401  (the family's configs, re-exported)
     _norm_block,
     _normalize_rows,
     _round_bf16,
-    _row_sum,
     _S,
     default_config,
     unsupported,
@@ -155,7 +154,7 @@ def _collapse_kernel(
             xb, xc = _round_bf16(_collapse(h0, h1, h2, h3, p0, p1, p2, p3), INTERP)
             tl.store(x_ptr + rows[:, None] * stride_x + cols[None, :], xb, mask=m2)
             xsq = tl.fma(xc, xc, xsq)
-        sumsq += _row_sum(xsq, BLOCK_R, BK)
+        sumsq += pairwise_row_sum(xsq, BLOCK_R, BK)
     if NORM:
         tl.debug_barrier()
         _normalize_rows(x_ptr, w_ptr, rows, rmask, stride_x, sumsq, eps, D, XB, "", INTERP)

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from ..mhc_weights import NUM_SLICES, slice_geometry
 from ..mhc_weights import NP_DEFAULT as NP
-from .common import INTERPRET, rne_bf16
+from .common import INTERPRET, pairwise_row_sum, rne_bf16
 
 HC = 4
 NMIX = (2 + HC) * HC  # 24 mix columns: pre[4], post[4], comb[4][4]
@@ -131,33 +131,9 @@ def _collapse(h0, h1, h2, h3, p0, p1, p2, p3):
 
 
 @triton.jit
-def _halve(t, R: tl.constexpr, W: tl.constexpr):
-    a, b = tl.split(tl.reshape(t, (R, W // 2, 2)))
-    return a + b
-
-
-@triton.jit
-def _row_sum(t, R: tl.constexpr, W: tl.constexpr):
-    """``[R, W] -> [R]``: pairwise tree over adjacent columns, independent of the register layout."""
-    if W >= 64:
-        t = _halve(t, R, 64)
-    if W >= 32:
-        t = _halve(t, R, 32)
-    if W >= 16:
-        t = _halve(t, R, 16)
-    if W >= 8:
-        t = _halve(t, R, 8)
-    if W >= 4:
-        t = _halve(t, R, 4)
-    if W >= 2:
-        t = _halve(t, R, 2)
-    return tl.reshape(t, (R,))
-
-
-@triton.jit
 def _softmax4(z, R: tl.constexpr):
     e = tl.exp(z - tl.max(z, axis=1)[:, None])
-    return e / _row_sum(e, R, 4)[:, None]
+    return e / pairwise_row_sum(e, R, 4)[:, None]
 
 
 @triton.jit

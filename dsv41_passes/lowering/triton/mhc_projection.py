@@ -10,7 +10,7 @@ import triton.language as tl
 from ...tuning import tactic
 from ..mhc_weights import NUM_SLICES, slice_geometry
 from ..mhc_weights import NP_DEFAULT as NP
-from .common import INTERPRET
+from .common import INTERPRET, pairwise_row_sum
 from .mhc_common import (
     _NMIX,
     _NP,
@@ -22,7 +22,6 @@ from .mhc_common import (
     _normalize_cols,
     _normalize_rows,
     _round_bf16,
-    _row_sum,
     _softmax4,
     default_config,
     unsupported,
@@ -107,10 +106,10 @@ def _finish_stats(
     col = ((c0 + c1) + (c2 + c3)) + hc_eps
     c0, c1, c2, c3 = c0 / col, c1 / col, c2 / col, c3 / col
     for _ in range(iters - 1):
-        c0 = c0 / (_row_sum(c0, BM, 4)[:, None] + hc_eps)
-        c1 = c1 / (_row_sum(c1, BM, 4)[:, None] + hc_eps)
-        c2 = c2 / (_row_sum(c2, BM, 4)[:, None] + hc_eps)
-        c3 = c3 / (_row_sum(c3, BM, 4)[:, None] + hc_eps)
+        c0 = c0 / (pairwise_row_sum(c0, BM, 4)[:, None] + hc_eps)
+        c1 = c1 / (pairwise_row_sum(c1, BM, 4)[:, None] + hc_eps)
+        c2 = c2 / (pairwise_row_sum(c2, BM, 4)[:, None] + hc_eps)
+        c3 = c3 / (pairwise_row_sum(c3, BM, 4)[:, None] + hc_eps)
         col = ((c0 + c1) + (c2 + c3)) + hc_eps
         c0, c1, c2, c3 = c0 / col, c1 / col, c2 / col, c3 / col
     tl.store(pre_ptr + o4, pre, mask=m2)
@@ -198,9 +197,9 @@ def _proj_kernel(
     n = tl.arange(0, _NP)
     tl.store(ws_ptr + (pid * BM + r[:, None]) * _NMIX + n[None, :], (acc_hi + acc_mid) + acc_lo,
              mask=n[None, :] < _NMIX)
-    tl.store(ss_ptr + pid * BM + r, _row_sum(ssq, BM, BK))
+    tl.store(ss_ptr + pid * BM + r, pairwise_row_sum(ssq, BM, BK))
     if NORM:
-        tl.store(xss_ptr + pid * BM + r, _row_sum(xsq, BM, BK))
+        tl.store(xss_ptr + pid * BM + r, pairwise_row_sum(xsq, BM, BK))
     if not FINISH:
         return
     # the 16th slice program of this row block to get here reduces it (all 16 partials are then visible)

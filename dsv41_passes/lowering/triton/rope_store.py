@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ...tuning import tactic
 from ..rope_tables import interleaved_view
-from .common import INTERPRET
+from .common import INTERPRET, pairwise_row_sum
 
 # Launch configs worth timing per op (the tuner's search space). Defaults are M-independent.
 Q_DEFAULT = dict(BLOCK_T=1, BLOCK_H=4, num_warps=4)
@@ -63,39 +63,6 @@ CANDIDATES: dict[str, list[dict]] = {
     "kv_rope_quant_store": [dict(BLOCK_T=t, num_warps=w) for t in (1, 2, 4, 8) for w in (1, 2, 4, 8)],
     "kv_rope_quant": [dict(BLOCK_T=t, num_warps=w) for t in (1, 2, 4, 8) for w in (1, 2, 4, 8)],
 }
-
-
-@triton.jit
-def _halve(t, R: tl.constexpr, W: tl.constexpr):
-    a, b = tl.split(tl.reshape(t, (R, W // 2, 2)))
-    return a + b
-
-
-@triton.jit
-def _tree_sum(t, R: tl.constexpr, W: tl.constexpr):
-    """``[R, W] -> [R]`` (W a power of two <= 1024): adjacent pairs, then pairs of those, ...; the
-    order is fixed by the shape, never by the register layout."""
-    if W >= 1024:
-        t = _halve(t, R, 1024)
-    if W >= 512:
-        t = _halve(t, R, 512)
-    if W >= 256:
-        t = _halve(t, R, 256)
-    if W >= 128:
-        t = _halve(t, R, 128)
-    if W >= 64:
-        t = _halve(t, R, 64)
-    if W >= 32:
-        t = _halve(t, R, 32)
-    if W >= 16:
-        t = _halve(t, R, 16)
-    if W >= 8:
-        t = _halve(t, R, 8)
-    if W >= 4:
-        t = _halve(t, R, 4)
-    if W >= 2:
-        t = _halve(t, R, 2)
-    return tl.reshape(t, (R,))
 
 
 @triton.jit
@@ -318,7 +285,7 @@ def _kv_rope_quant_kernel(
     # instructions in the sm_90 build, not yet timed on the GPU, so not the default).
     sq = x0 * x0 + x1 * x1
     if TREE:
-        ms = _tree_sum(tl.reshape(sq, (BLOCK_T, NB * (BLOCK // 2))), BLOCK_T, NB * (BLOCK // 2))
+        ms = pairwise_row_sum(tl.reshape(sq, (BLOCK_T, NB * (BLOCK // 2))), BLOCK_T, NB * (BLOCK // 2))
     else:
         ms = tl.sum(tl.sum(sq, axis=2), axis=1)
     ms = ms * (1.0 / D)
