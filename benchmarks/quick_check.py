@@ -141,6 +141,7 @@ def mhc(m: int) -> None:
 
 def wo_a(m: int) -> None:
     from dsv41_passes.lowering.tilelang import wo_a as tw
+    from dsv41_passes.lowering.triton import wo_a as tk
 
     h, d, g_, r, rd = 16, 512, 2, 1024, 64
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -152,18 +153,28 @@ def wo_a(m: int) -> None:
     ref = torch.ops.dsv41.wo_a(o, w, cos, sin, rd, "reference", 0).float()
     flops = 2 * m * g_ * r * (h // g_) * d
     big = dict(BM=128, BN=256, BK=64, stages=4, threads=256, one_loop=True)
-    variants = [("default", tw.default_config(m), rd)]
-    variants += [(",".join(f"{k}={v}" for k, v in c.items() if k not in ("BK", "one_loop", "threads")), c, rd)
-                 for c in tw.CANDIDATES[tw.TACTIC_OP]
-                 if c.get("one_loop") and (c["BM"] == 128 and c["BN"] == 256) == (m > 1024)]
+    # (name, provider module, config, rope dims)
+    variants = [("tilelang default", tw, tw.default_config(m), rd), ("triton default", tk, tk.default_config(m), rd)]
     if m > 1024:
-        variants += [("no rope (GEMM alone) 128x256 4st", big, 0),
-                     ("no rope (GEMM alone) 128x256 3st", dict(big, stages=3), 0)]
-    for name, cfg, rdim in variants:
+        variants += [("tl " + ",".join(f"{k}={v}" for k, v in c.items() if k not in ("BK", "one_loop", "threads")),
+                      tw, c, rd) for c in tw.CANDIDATES[tw.TACTIC_OP] if c.get("one_loop") and c["BM"] == 128]
+        variants += [("tl no rope (GEMM alone) 128x256 4st", tw, big, 0),
+                     ("tl no rope (GEMM alone) 128x256 3st epi_smem", tw, dict(big, stages=3, epi_smem=True), 0)]
+    else:  # split-K (Triton) against the unsplit kernels
+        bms = (16,) if m <= 16 else (32, 64) if m <= 128 else (64, 128)
+        for bm in bms:
+            for bn, bk, wps, st in ((64, 128, 4, 4), (32, 256, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3)):
+                for split in (1, 2, 4, 8):
+                    if bm == 128 and bn < 128:
+                        continue
+                    cfg = dict(BM=bm, BN=bn, BK=bk, num_warps=wps, num_stages=st, SPLIT=split)
+                    variants.append(("tr " + ",".join(f"{k}={v}" for k, v in cfg.items()), tk, cfg, rd))
+    best = (float("inf"), "")
+    for name, mod, cfg, rdim in variants:
         c_, s_ = (cos, sin) if rdim else (None, None)
 
-        def run(cfg=cfg, c_=c_, s_=s_, rdim=rdim):
-            return tw.wo_a(o, w, c_, s_, rdim, batch_invariant=False, config=cfg)
+        def run(mod=mod, cfg=cfg, c_=c_, s_=s_, rdim=rdim):
+            return mod.wo_a(o, w, c_, s_, rdim, batch_invariant=False, config=cfg)
 
         try:
             out = run().float()
@@ -172,11 +183,14 @@ def wo_a(m: int) -> None:
             continue
         err = ((out - ref).norm() / ref.norm()).item() if rdim else float("nan")
         t = time_ms(run) if not err > 4e-3 else None
+        if t and rdim:
+            best = min(best, (t, name))
         row("wo_a", f"M={m} {name}", f"vs reference {err:.1e}", t, f"{flops / t / 1e9:.0f} TFLOP/s" if t else "")
     og = o.view(m, g_, -1).transpose(0, 1).contiguous()
     wt = w.view(g_, r, -1).transpose(1, 2)
     t = time_ms(lambda: torch.bmm(og, wt))
     row("wo_a", f"M={m} cuBLAS bmm, pre-transposed", "", t, f"{flops / t / 1e9:.0f} TFLOP/s")
+    row("wo_a", f"M={m} BEST {best[1]}", "", best[0], f"{t / best[0]:.2f}x cuBLAS")
 
 
 def main() -> None:

@@ -140,6 +140,30 @@ def test_triton_tile_configs(config):
     assert_bf16_gemm_close(out, run_op("reference", o, w, cos, sin, 16))
 
 
+@pytest.mark.parametrize("split", [2, 4, 3])
+@pytest.mark.parametrize("rope", [True, False], ids=["rope", "no_rope"])
+def test_triton_split_k(split, rope):
+    """Split-K (whole heads per part, fp32 partials summed in a fixed order): the reference within bf16
+    GEMM tolerance and float64; SPLIT 3 is clipped to a divisor of the 4 heads of a group (1)."""
+    from dsv41_passes.lowering.triton import wo_a as tk
+
+    m, h, d, g, r, rd = 19, 8, 64, 2, 32, 16
+    o, w, _, cos, sin = make(m, h, d, g, r, rd, seed=split, device=DEVICE)
+    if not rope:
+        cos = sin = None
+    cfg = dict(BM=16, BN=16, BK=32, num_warps=4, num_stages=2, SPLIT=split)
+    out = tk.wo_a(o, w, cos, sin, rd, batch_invariant=False, config=cfg)
+    assert out.is_contiguous() and out.dtype == BF16
+    assert_bf16_gemm_close(out, run_op("reference", o, w, cos, sin, rd))
+    assert normwise_error(out, float64_oracle(o, w, cos, sin, rd, g)) <= 4e-3
+    # the same parts summed in the same order: run to run deterministic
+    assert torch.equal(out, tk.wo_a(o, w, cos, sin, rd, batch_invariant=False, config=cfg))
+    if split == 3:  # gcd(3, 4) = 1: the unsplit kernel, bit for bit
+        assert torch.equal(out, tk.wo_a(o, w, cos, sin, rd, batch_invariant=False, config=dict(cfg, SPLIT=1)))
+    with pytest.raises(ValueError, match="not batch-invariant"):
+        tk.wo_a(o, w, cos, sin, rd, batch_invariant=True, config=dict(cfg, SPLIT=2))
+
+
 def test_triton_batch_invariant_rows():
     """batch-invariant mode: a row's bits do not depend on M (several row tiles included)."""
     o, w, _, cos, sin = make(70, 4, 64, 2, 32, 16, seed=5, device=DEVICE)
@@ -244,7 +268,8 @@ def test_triton_compiles_for_sm90():
         stage_bytes.append(2 * bk * (cfg["BM"] + bn))
         builds.append(dict(
             module="dsv41_passes.lowering.triton.wo_a", kernel="_wo_a_kernel", types=pointers, aligned=aligned,
-            constexprs=dict(R=1024, D=512, HPG=8, RD=64, N_TILES=2048 // bn, BM=cfg["BM"], BN=bn, BK=bk, INTERP=False),
+            constexprs=dict(R=1024, D=512, HPG=8, RD=64, N_TILES=2048 // bn, BM=cfg["BM"], BN=bn, BK=bk, INTERP=False,
+                            SPLIT=cfg.get("SPLIT", 1)),
             options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=False)))
     built = dict(zip(names, build_sm90(builds)))
     assert "wgmma" in built["batch_invariant"]["ptx"] and "wgmma" in built["prefill"]["ptx"]

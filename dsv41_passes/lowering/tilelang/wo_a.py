@@ -56,6 +56,11 @@ CANDIDATES: dict[str, list[dict]] = {
     + [  # the same with each thread's cos/sin pairs loaded once, before the loop, into registers
         dict(BM=128, BN=256, BK=64, stages=s, threads=256, one_loop=True, cs_regs=True) for s in (3, 4)
     ]
+    + [  # the tile leaves through shared memory (TMA store); 128 x 128 x 3 stages: 96 KiB, two CTAs an SM
+        dict(BM=128, BN=256, BK=64, stages=3, threads=256, one_loop=True, cs_regs=True, epi_smem=True),
+        dict(BM=128, BN=128, BK=64, stages=3, threads=256, one_loop=True),
+        dict(BM=128, BN=128, BK=64, stages=3, threads=256, one_loop=True, epi_smem=True),
+    ]
     + [  # the same with the rope chunk de-rotated into registers (wgmma with A from registers); at
         # 128 x 256 it measured slower than in place (run14-quick_check-rest.log), so small tiles only
         dict(BM=64, BN=bn, BK=64, stages=4, threads=128, one_loop=True, rope_regs=True) for bn in (64, 128)
@@ -174,13 +179,15 @@ def build(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN: int, BK:
 
 
 def build_one_loop(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN: int, BK: int, stages: int,
-                   threads: int, rope_regs: bool = False, cs_regs: bool = False):
+                   threads: int, rope_regs: bool = False, cs_regs: bool = False, epi_smem: bool = False):
     """Variant (config ``one_loop=True``): one warp-specialized K loop over every chunk; the warpgroups
     split the tile by rows (wgmma ``m64 x BN``). A head's rope chunk is de-rotated in place in its
     pipeline stage before its gemm, or with ``rope_regs`` into a register fragment that feeds the
     wgmma as its A operand (each thread de-rotates its own elements: no barrier, the stage is read only).
     ``cs_regs`` (in-place path): cos/sin depend on the row only, so each thread loads the pairs it
-    de-rotates once, before the loop, into registers, instead of at every head's rope chunk."""
+    de-rotates once, before the loop, into registers, instead of at every head's rope chunk.
+    ``epi_smem``: the bf16 tile goes to global memory through shared memory (row-contiguous stores)
+    instead of straight from the accumulator fragment."""
     import tilelang.language as T
 
     bf16, f32 = T.bfloat16, T.float32
@@ -257,7 +264,12 @@ def build_one_loop(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN:
                         T.gemm(a_s, b_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 else:
                     T.gemm(a_s, b_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-            T.copy(acc, Z[by * BM, bx * BN])
+            if epi_smem:
+                z_s = T.alloc_shared((BM, BN), bf16)
+                T.copy(acc, z_s)
+                T.copy(z_s, Z[by * BM, bx * BN])
+            else:
+                T.copy(acc, Z[by * BM, bx * BN])
 
     return wo_a_one_loop_kernel
 

@@ -19,6 +19,8 @@ launch config is the fixed default, so a row's bits do not depend on the batch.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -95,7 +97,7 @@ def _wo_a_kernel(
     o_ptr, w_ptr, cos_ptr, sin_ptr, z_ptr,
     M, stride_om, stride_wn, stride_cm, stride_ck, stride_sm, stride_sk, stride_zm,
     R: tl.constexpr, D: tl.constexpr, HPG: tl.constexpr, RD: tl.constexpr, N_TILES: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERP: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERP: tl.constexpr, SPLIT: tl.constexpr,
 ):
     # column tiles of one row tile run next to each other, so o's rows are re-read from L2
     pid = tl.program_id(0).to(tl.int64)
@@ -103,6 +105,8 @@ def _wo_a_kernel(
     n0 = (pid % N_TILES) * BN
     g = n0 // R
     K: tl.constexpr = HPG * D
+    HPS: tl.constexpr = HPG // SPLIT  # heads of the group this program reduces over (split-K part)
+    h0 = tl.program_id(1) * HPS
     rows = pid_m * BM + tl.arange(0, BM)
     rmask = rows[:, None] < M
     cols = n0 + tl.arange(0, BN)
@@ -115,8 +119,8 @@ def _wo_a_kernel(
     CHUNKS: tl.constexpr = D // BK
     PLAIN: tl.constexpr = CHUNKS - 1 if RD > 0 else CHUNKS
     if PLAIN > 0:
-        for t in range(0, HPG * PLAIN):
-            k0 = (t // PLAIN) * D + (t % PLAIN) * BK
+        for t in range(0, HPS * PLAIN):
+            k0 = (h0 + t // PLAIN) * D + (t % PLAIN) * BK
             a = tl.load(a_base + k0, mask=rmask, other=0.0)
             b = tl.load(b_base + k0)
             if INTERP:  # the interpreter computes bf16 on raw bits
@@ -134,8 +138,8 @@ def _wo_a_kernel(
         s = tl.load(sin_ptr + rows[:, None] * stride_sm + pair[None, :] * stride_sk, mask=cmask, other=0.0)
         s = tl.where((j % 2 == 0)[None, :], s, -s)
         swap = (j ^ 1) - j  # column offset of each column's pair partner
-        for h in range(0, HPG):
-            k0 = h * D + (D - BK)
+        for h in range(0, HPS):
+            k0 = (h0 + h) * D + (D - BK)
             x = tl.load(a_base + k0, mask=rmask, other=0.0).to(tl.float32)
             xp = tl.load(a_base + k0 + swap[None, :], mask=rmask, other=0.0).to(tl.float32)
             y = tl.where(is_rope[None, :], x * c + xp * s, x)
@@ -147,8 +151,23 @@ def _wo_a_kernel(
                 y = y.to(tl.bfloat16)
             acc = tl.dot(y, b, acc)
 
-    out = rne_bf16(acc, INTERP)
-    tl.store(z_ptr + rows[:, None] * stride_zm + cols[None, :], out.to(z_ptr.dtype.element_ty), mask=rmask)
+    if SPLIT == 1:
+        out = rne_bf16(acc, INTERP)
+        tl.store(z_ptr + rows[:, None] * stride_zm + cols[None, :], out.to(z_ptr.dtype.element_ty), mask=rmask)
+    else:  # fp32 partial sums [SPLIT, M, N] (stride_zm: the partial's row stride, N)
+        part = z_ptr + tl.program_id(1).to(tl.int64) * M * stride_zm
+        tl.store(part + rows[:, None] * stride_zm + cols[None, :], acc, mask=rmask)
+
+
+@triton.jit(do_not_specialize=["MN"])
+def _sum_splits_kernel(part_ptr, z_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, INTERP: tl.constexpr):
+    """``z = bf16(part[0] + part[1] + ... + part[SPLIT-1])``, always in that order."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < MN
+    acc = tl.load(part_ptr + i, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(part_ptr + s * MN + i, mask=ok, other=0.0)
+    tl.store(z_ptr + i, rne_bf16(acc, INTERP).to(z_ptr.dtype.element_ty), mask=ok)
 
 
 def wo_a(
@@ -178,13 +197,21 @@ def wo_a(
     bn, bk = _tile_sizes(config, d, r, rd)
     bm = config["BM"]
     n_tiles = n // bn
+    split = math.gcd(config.get("SPLIT", 1), h // g)  # split-K parts: whole heads of the group each
+    if split > 1 and batch_invariant:
+        raise ValueError("wo_a (triton): split-K configs are not batch-invariant (their sum order is theirs)")
     if cos is None:
         cos = sin = z  # never read (RD == 0)
-    _wo_a_kernel[(triton.cdiv(m, bm) * n_tiles,)](
-        o, weight, cos, sin, z,
-        m, o.stride(0), weight.stride(0), cos.stride(0), cos.stride(-1), sin.stride(0), sin.stride(-1), z.stride(0),
-        R=r, D=d, HPG=h // g, RD=rd, N_TILES=n_tiles, BM=bm, BN=bn, BK=bk, INTERP=INTERPRET,
+    out = z if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=o.device)
+    _wo_a_kernel[(triton.cdiv(m, bm) * n_tiles, split)](
+        o, weight, cos, sin, out,
+        m, o.stride(0), weight.stride(0), cos.stride(0), cos.stride(-1), sin.stride(0), sin.stride(-1), n,
+        R=r, D=d, HPG=h // g, RD=rd, N_TILES=n_tiles, BM=bm, BN=bn, BK=bk, INTERP=INTERPRET, SPLIT=split,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
         enable_fp_fusion=False,  # no FMA contraction: the de-rotation rounds like the reference
     )
+    if split > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](out, z, m * n, SPLIT=split, BLOCK=block, INTERP=INTERPRET,
+                                                          num_warps=4)
     return z
