@@ -160,15 +160,20 @@ def wo_a(m: int) -> None:
                       tw, c, rd) for c in tw.CANDIDATES[tw.TACTIC_OP] if c.get("one_loop") and c["BM"] == 128]
         variants += [("tl no rope (GEMM alone) 128x256 4st", tw, big, 0),
                      ("tl no rope (GEMM alone) 128x256 3st epi_smem", tw, dict(big, stages=3, epi_smem=True), 0)]
-    else:  # split-K (Triton) against the unsplit kernels
-        bms = (16,) if m <= 16 else (32, 64) if m <= 128 else (64, 128)
-        for bm in bms:
-            for bn, bk, wps, st in ((64, 128, 4, 4), (32, 256, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3)):
+    else:  # split-K (Triton for decode, TileLang) against the unsplit kernels
+        tr = [dict(BM=16, BN=128, BK=64, num_warps=4, num_stages=4, SPLIT=8),
+              dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=4, SPLIT=8)] if m <= 16 else []
+        tr += [dict(BM=32, BN=128, BK=64, num_warps=4, num_stages=4, SPLIT=s) for s in (2, 4, 8)] if m <= 128 else []
+        variants += [("tr " + ",".join(f"{k}={v}" for k, v in c.items()), tk, c, rd) for c in tr]
+        tl_cfgs = []
+        for bm, t, extra in ((64, 128, dict(rope_regs=True)), (128, 256, dict(cs_regs=True))):
+            for bn in (128, 256):
                 for split in (1, 2, 4, 8):
-                    if bm == 128 and bn < 128:
-                        continue
-                    cfg = dict(BM=bm, BN=bn, BK=bk, num_warps=wps, num_stages=st, SPLIT=split)
-                    variants.append(("tr " + ",".join(f"{k}={v}" for k, v in cfg.items()), tk, cfg, rd))
+                    tl_cfgs.append(dict(BM=bm, BN=bn, BK=64, stages=4 if bn == 128 or bm == 64 else 3, threads=t,
+                                        one_loop=True, SPLIT=split, **extra))
+        tl_cfgs += [dict(BM=128, BN=bn, BK=64, stages=3, threads=256, one_loop=True, epi_smem=True) for bn in (128, 256)]
+        variants += [("tl " + ",".join(f"{k}={v}" for k, v in c.items() if k not in ("BK", "one_loop")), tw, c, rd)
+                     for c in tl_cfgs]
     best = (float("inf"), "")
     for name, mod, cfg, rdim in variants:
         c_, s_ = (cos, sin) if rdim else (None, None)

@@ -26,6 +26,7 @@ M is ``T.dynamic``: one binary per config serves every token count. nvcc runs wi
 # No ``from __future__ import annotations``: TileLang evaluates the prim_func annotations,
 # which name this module's closure variables.
 
+import math
 import threading
 from typing import Any
 
@@ -40,6 +41,7 @@ TARGET = {"kind": "cuda", "arch": "sm_90a"}
 # Tactic key of this provider (its configs differ from the Triton provider's).
 TACTIC_OP = "wo_a.tilelang"
 
+_DECODE_CANDIDATE = dict(BM=128, BN=128, BK=64, stages=4, threads=256, one_loop=True, cs_regs=True)
 CANDIDATES: dict[str, list[dict]] = {
     TACTIC_OP: [
         dict(BM=bm, BN=bn, BK=bk, stages=s, threads=t)
@@ -56,6 +58,7 @@ CANDIDATES: dict[str, list[dict]] = {
     + [  # the same with each thread's cos/sin pairs loaded once, before the loop, into registers
         dict(BM=128, BN=256, BK=64, stages=s, threads=256, one_loop=True, cs_regs=True) for s in (3, 4)
     ]
+    + [dict(_DECODE_CANDIDATE, SPLIT=s) for s in (2, 4, 8)]  # split-K (decode sizes)
     + [  # the tile leaves through shared memory (TMA store); 128 x 128 x 3 stages: 96 KiB, two CTAs an SM
         dict(BM=128, BN=256, BK=64, stages=3, threads=256, one_loop=True, cs_regs=True, epi_smem=True),
         dict(BM=128, BN=128, BK=64, stages=3, threads=256, one_loop=True),
@@ -66,21 +69,30 @@ CANDIDATES: dict[str, list[dict]] = {
         dict(BM=64, BN=bn, BK=64, stages=4, threads=128, one_loop=True, rope_regs=True) for bn in (64, 128)
     ]
 }
-BATCH_INVARIANT_CONFIG = dict(BM=128, BN=128, BK=64, stages=4, threads=256)
+# Batch-invariant mode: the prefill default (no split-K, so a row's bits never depend on M); it
+# measured 1.73 ms at M = 65536 where the two-loop 128 x 128 kernel of runs <= 25 took 2.50
+BATCH_INVARIANT_CONFIG = dict(BM=128, BN=256, BK=64, stages=3, threads=256, one_loop=True, cs_regs=True,
+                              epi_smem=True)
+# Untuned defaults by token count (upper M, config), from benchmarks/results/run27-quick_check-wo_a-small.log
+# and run26 (H200): split-K with 128 x 128 tiles for decode sizes (11.8 / 15.9 / 22.5 us at M = 128 / 256 /
+# 512 where the 64 x 64 one-loop kernel took 27.4 / 28.1 / 55.3), 128 x 128 up to 1024 (31.4 vs 112 us),
+# 128 x 256 with the tile stored through shared memory above (0.0997 vs 0.106 ms at 4096, 1.73 vs 1.80 at
+# 65536). M <= 16 (outside batch-invariant mode) runs the Triton split-K kernel (``triton.wo_a``).
+_DECODE = dict(BM=128, BN=128, BK=64, stages=4, threads=256, one_loop=True, cs_regs=True)
+DEFAULTS: list[tuple[int, dict]] = [
+    (128, dict(_DECODE, SPLIT=8)),
+    (256, dict(_DECODE, SPLIT=4)),
+    (512, dict(_DECODE, SPLIT=2)),
+    (1024, _DECODE),
+]
 
 
 def default_config(m: int) -> dict:
-    """Untuned choice by token count: narrow column tiles (more CTAs) for decode, big tiles for prefill."""
-    if m <= 64:
-        return dict(BM=64, BN=32, BK=128, stages=4, threads=128)
-    if m <= 1024:
-        # one K loop, rope chunk de-rotated into registers: 0.0275 ms at M = 128 on the H200 vs 0.0379
-        # for the two-loop (64, 64, 128) kernel (benchmarks/results/run14-quick_check-rest.log)
-        return dict(BM=64, BN=64, BK=64, stages=4, threads=128, one_loop=True, rope_regs=True)
-    # one K loop with 128 x 256 tiles, rope chunk de-rotated in two phases with cos/sin in registers:
-    # 1.70 ms at M = 65536 on the H200 (run16-quick_check.log); the one-loop kernel with one barrier
-    # per pair took 2.02 (run 9), the two-loop (128, 128, 64) kernel 2.50
-    return dict(BM=128, BN=256, BK=64, stages=4, threads=256, one_loop=True, cs_regs=True)
+    """Untuned choice by token count (see ``DEFAULTS``)."""
+    for upper, cfg in DEFAULTS:
+        if m <= upper:
+            return dict(cfg)
+    return dict(BATCH_INVARIANT_CONFIG)
 
 
 def _pow2_divisor(x: int) -> int:
@@ -179,7 +191,8 @@ def build(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN: int, BK:
 
 
 def build_one_loop(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN: int, BK: int, stages: int,
-                   threads: int, rope_regs: bool = False, cs_regs: bool = False, epi_smem: bool = False):
+                   threads: int, rope_regs: bool = False, cs_regs: bool = False, epi_smem: bool = False,
+                   split: int = 1):
     """Variant (config ``one_loop=True``): one warp-specialized K loop over every chunk; the warpgroups
     split the tile by rows (wgmma ``m64 x BN``). A head's rope chunk is de-rotated in place in its
     pipeline stage before its gemm, or with ``rope_regs`` into a register fragment that feeds the
@@ -187,7 +200,10 @@ def build_one_loop(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN:
     ``cs_regs`` (in-place path): cos/sin depend on the row only, so each thread loads the pairs it
     de-rotates once, before the loop, into registers, instead of at every head's rope chunk.
     ``epi_smem``: the bf16 tile goes to global memory through shared memory (row-contiguous stores)
-    instead of straight from the accumulator fragment."""
+    instead of straight from the accumulator fragment.
+    ``split`` > 1 (split-K, decode sizes, not batch-invariant): the third grid axis picks ``HPG/split``
+    whole heads of the group; each CTA writes its fp32 partial tile to ``Z [split, M, N]`` for a
+    fixed-order sum kernel."""
     import tilelang.language as T
 
     bf16, f32 = T.bfloat16, T.float32
@@ -198,15 +214,17 @@ def build_one_loop(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN:
     rope_from = BK - RD
     cs_cols = max(RD, 2)
     half = max(RD // 2, 1)
+    hps = hpg // split  # heads of the group one CTA reduces over
+    z_shape, z_dtype = ((split, M, N), f32) if split > 1 else ((M, N), bf16)
 
     @T.prim_func
     def wo_a_one_loop_kernel(
         O: T.Tensor((M, g * K), bf16),
         W: T.Tensor((N, K), bf16),
         CS: T.Tensor((M, cs_cols), f32),
-        Z: T.Tensor((M, N), bf16),
+        Z: T.Tensor(z_shape, z_dtype),
     ):
-        with T.Kernel(T.ceildiv(N, BN), T.ceildiv(M, BM), threads=threads) as (bx, by):
+        with T.Kernel(T.ceildiv(N, BN), T.ceildiv(M, BM), split, threads=threads) as (bx, by, bz):
             a_s = T.alloc_shared((BM, BK), bf16)
             b_s = T.alloc_shared((BN, BK), bf16)
             acc = T.alloc_fragment((BM, BN), f32)
@@ -224,8 +242,8 @@ def build_one_loop(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN:
                     s_f[i, p] = T.if_then_else(live, CS[by * BM + i, 2 * p + 1], 0.0)
             col0 = (bx * BN // r) * K
             T.clear(acc)
-            for t in T.Pipelined(hpg * chunks, num_stages=stages):
-                k0 = (t // chunks) * d + (t % chunks) * BK
+            for t in T.Pipelined(hps * chunks, num_stages=stages):
+                k0 = (bz * hps + t // chunks) * d + (t % chunks) * BK
                 T.copy(O[by * BM, col0 + k0], a_s)
                 T.copy(W[bx * BN, k0], b_s)
                 if RD > 0 and t % chunks == chunks - 1:
@@ -264,7 +282,9 @@ def build_one_loop(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN:
                         T.gemm(a_s, b_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 else:
                     T.gemm(a_s, b_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-            if epi_smem:
+            if split > 1:
+                T.copy(acc, Z[bz, by * BM, bx * BN])
+            elif epi_smem:
                 z_s = T.alloc_shared((BM, BN), bf16)
                 T.copy(acc, z_s)
                 T.copy(z_s, Z[by * BM, bx * BN])
@@ -312,7 +332,10 @@ def _builder(cfg: dict):
 
 
 def _tile_args(cfg: dict) -> dict:
-    return {k: v for k, v in cfg.items() if k != "one_loop"}
+    args = {k: v for k, v in cfg.items() if k not in ("one_loop", "SPLIT")}
+    if cfg.get("SPLIT", 1) > 1:
+        args["split"] = cfg["SPLIT"]
+    return args
 
 
 def tactic_key(o: torch.Tensor, weight: torch.Tensor, rope_dim: int) -> tuple[str, dict]:
@@ -354,7 +377,20 @@ def wo_a(
         config = tactic(op, m, key, default, batch_invariant=batch_invariant)
     bn, bk = _tiles(config, d, r, rd)
     cfg = dict(config, BN=bn, BK=bk)
+    split = math.gcd(cfg.pop("SPLIT", 1), h // g)  # whole heads of the group per part
+    if split > 1:
+        if batch_invariant:
+            raise ValueError("wo_a (tilelang): split-K configs are not batch-invariant (their sum order is theirs)")
+        if not cfg.get("one_loop"):
+            raise ValueError("wo_a (tilelang): split-K needs a one_loop config")
+        cfg["SPLIT"] = split
     kernel = compile_kernel(g, r, h // g, d, rd, cfg)
     cs = _rope_table(cos, sin, m, rd) if rd else torch.empty((m, 2), dtype=torch.float32, device=o.device)  # unread
-    kernel(o.view(m, h * d), weight, cs, z)
-    return z
+    if split == 1:
+        kernel(o.view(m, h * d), weight, cs, z)
+        return z
+    from ..triton.wo_a import sum_splits  # noqa: PLC0415  (the fixed-order sum of the parts)
+
+    part = torch.empty((split, m, n), dtype=torch.float32, device=o.device)
+    kernel(o.view(m, h * d), weight, cs, part)
+    return sum_splits(part, z)
