@@ -91,6 +91,13 @@ def kv(m: int) -> None:
     time_configs("kv", m, roof, _names(configs),
                  lambda cfg: rk.kv_rope_quant(kv_in, w, 1e-6, cos, sin, block, cache, slots, batch_invariant=False,
                                               config=cfg), base)
+    # the tail option: the same bits as the same config without it
+    for cfg in (rk.KV_DEFAULT, dict(BLOCK_T=8, num_warps=4), dict(BLOCK_T=4, num_warps=2), dict(BLOCK_T=8, num_warps=2),
+                dict(rk.KV_DEFAULT, sum="tree"), dict(BLOCK_T=8, num_warps=4, sum="tree")):
+        def run(c):
+            return rk.kv_rope_quant(kv_in, w, 1e-6, cos, sin, block, cache, slots, batch_invariant=False, config=c)
+
+        time_configs("kv", m, roof, _names([dict(cfg, tail=True)]), run, run(cfg))
 
 
 def post(m: int) -> None:

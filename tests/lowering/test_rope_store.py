@@ -93,11 +93,12 @@ def test_q_rope_store_bad_inputs(change, match):
 
 # ----------------------------------------------------------------------------- FP8
 @triton.jit
-def _qdq_test_kernel(x_ptr, y_ptr, NB: tl.constexpr, BLOCK: tl.constexpr, HW: tl.constexpr):
+def _qdq_test_kernel(x_ptr, y_ptr, NB: tl.constexpr, BLOCK: tl.constexpr, HW: tl.constexpr,
+                     CLAMP_HI: tl.constexpr):
     # x: bf16 pairs as int32 words [NB, BLOCK/2]; y: fp32 [NB, BLOCK/2, 2]
     offs = tl.arange(0, NB)[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
     z0, z1 = _unpack_bf16x2(tl.load(x_ptr + offs).to(tl.uint32, bitcast=True))
-    q0, q1 = _fp8_qdq_pairs(tl.expand_dims(z0, 0), tl.expand_dims(z1, 0), HW)
+    q0, q1 = _fp8_qdq_pairs(tl.expand_dims(z0, 0), tl.expand_dims(z1, 0), HW, CLAMP_HI)
     tl.store(y_ptr + 2 * offs, tl.reshape(q0, (NB, BLOCK // 2)))
     tl.store(y_ptr + 2 * offs + 1, tl.reshape(q1, (NB, BLOCK // 2)))
 
@@ -135,7 +136,7 @@ def test_fp8_qdq_is_bitwise_the_reference_rule(hw):
     xp = torch.zeros(pad, 32, dtype=BF16)
     xp[:nb] = x
     y = torch.empty(pad, 32, device=dev)
-    _qdq_test_kernel[(1,)](xp.to(dev).view(torch.int32), y, NB=pad, BLOCK=32, HW=hw)
+    _qdq_test_kernel[(1,)](xp.to(dev).view(torch.int32), y, NB=pad, BLOCK=32, HW=hw, CLAMP_HI=True)
     y = y.cpu()
     want = fp8_block_qdq(x, 32)
     got = y[:nb].to(BF16)  # exact: every result has <= 4 significant bits
@@ -143,6 +144,31 @@ def test_fp8_qdq_is_bitwise_the_reference_rule(hw):
     bad = (_bits(got) != _bits(want)).nonzero()
     first = tuple(bad[0]) if len(bad) else None
     assert bad.numel() == 0, f"{len(bad)} elements differ, first at {first}: {got[first]} vs {want[first]}"
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on the NaN / inf blocks (interpreter)
+@pytest.mark.parametrize("hw", [False, pytest.param(True, marks=pytest.mark.gpu)], ids=["bit_rule", "cvt_on_gpu"])
+def test_fp8_upper_clamp_never_binds(hw):
+    """The tail path leaves the upper FP8 clamp out: the same bits on every input, infinities and
+    NaN included (a NaN element goes to -448 * scale through the lower clamp either way)."""
+    dev = "cuda" if hw else ("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator().manual_seed(11)
+    odd = torch.randn(8, 32, generator=g) * 100
+    for (r, c), v in {(0, 3): "inf", (1, 5): "-inf", (2, 7): "nan", (4, 0): "inf", (4, 1): "-inf",
+                      (5, 2): "nan", (5, 9): "inf", (6, 31): "inf"}.items():
+        odd[r, c] = float(v)
+    odd[3] = float("nan")
+    x = torch.cat([_fp8_edge_values().float(), odd]).to(BF16)
+    pad = triton.next_power_of_2(x.shape[0])
+    xp = torch.zeros(pad, 32, dtype=BF16)
+    xp[: x.shape[0]] = x
+    outs = []
+    for clamp_hi in (True, False):
+        y = torch.empty(pad, 32, device=dev)
+        _qdq_test_kernel[(1,)](xp.to(dev).view(torch.int32), y, NB=pad, BLOCK=32, HW=hw, CLAMP_HI=clamp_hi)
+        outs.append(y.cpu().view(torch.int32))
+    assert torch.equal(outs[0], outs[1])
+    assert torch.isinf(outs[0].view(torch.float32)).any()  # the infinities reached the output
 
 
 # ----------------------------------------------------------------------------- KV
@@ -354,19 +380,21 @@ def test_gpu_kv_matches_cpu_rule(m):
 @pytest.mark.parametrize("m", [4096, 65536])
 def test_gpu_kv_hardware_conversions_are_the_bit_rule(m):
     """The launched kernel (hardware bf16/e4m3 conversions) and the same kernel with the
-    interpreter's bit-level rounding give the same bits, cache included."""
+    interpreter's bit-level rounding give the same bits, cache included; so does the tail option
+    (its norm is the same code on the same layout, the rest exact), both ways."""
     from dsv41_passes.lowering.triton import rope_store as rk
 
     d, rd, block, slots_n = 512, 64, 32, 2 * 65536 + 1
     cache, kv, weight, cos, sin, slots = (t.cuda() for t in _kv_case(m, d, rd, slots_n, seed=3))
     outs = []
-    for hw in (True, False):
+    for hw, tail in ((True, False), (False, False), (True, True), (False, True)):
         c = cache.clone()
         out = rk.kv_rope_quant(kv, weight, 1e-6, cos, sin, block, c, slots, batch_invariant=True,
-                               config=dict(rk.KV_DEFAULT, HW=hw))
+                               config=dict(rk.KV_DEFAULT, HW=hw, tail=tail))
         outs.append((out, c))
-    assert torch.equal(_bits(outs[0][0]), _bits(outs[1][0]))
-    assert torch.equal(_bits(outs[0][1]), _bits(outs[1][1]))
+    for out, c in outs[1:]:
+        assert torch.equal(_bits(outs[0][0]), _bits(out))
+        assert torch.equal(_bits(outs[0][1]), _bits(c))
 
 
 def test_kv_kernel_builds_for_sm90_with_hardware_conversions():
@@ -379,7 +407,7 @@ def test_kv_kernel_builds_for_sm90_with_hardware_conversions():
     builds = [dict(module="dsv41_passes.lowering.triton.rope_store", kernel="_kv_rope_quant_kernel", types=types,
                    aligned=["stride_km", "stride_om", "stride_cm", "stride_sm", "stride_cache"],
                    constexprs=dict(D=512, PAIR0=224, BLOCK=32, NB=16, BLOCK_T=1, STORE=True, PAIRED=False, HW=hw,
-                                   TREE=False),
+                                   TREE=False, TAIL=False, HALVINGS=0),
                    options=dict(num_warps=2, enable_fp_fusion=False)) for hw in (True, False)]
     builds.append(dict(builds[0], constexprs=dict(builds[0]["constexprs"], BLOCK_T=4)))
     builds.append(dict(builds[0], types=dict(types, cos_ptr="*i64", sin_ptr="*i64"),
@@ -426,3 +454,106 @@ def test_kv_tree_sum_option_is_the_reference(m, d, rd, block, scale):
         out = tk.kv_rope_quant(kv, weight, 1e-6, cos, sin, block, cache, slots, batch_invariant=False,
                                config=dict(BLOCK_T=bt, num_warps=w, sum="tree"))
         assert torch.equal(_bits(out), _bits(want)) and torch.equal(_bits(cache[slots]), _bits(want))
+
+
+# ----------------------------------------------------------------------------- KV tail option
+def _valid_halvings(d, rd, block):
+    """Every halving count the kernel takes for this shape (each leaves all rotated words in the last piece)."""
+    nb, hb, pair0 = triton.next_power_of_2(d // block), block // 2, (d - rd) // 2
+    return [k for k in range(nb.bit_length()) if (nb - (nb >> k)) * hb <= pair0]
+
+
+@pytest.mark.parametrize(
+    "m,d,rd,block,scale",
+    [
+        (5, 512, 64, 32, 300.0),  # the model's shape: the rotated words are the last two quant blocks
+        (6, 512, 64, 16, 2.0),
+        (37, 64, 16, 32, 4.0),  # the rotation starts inside a block (first rotated word 24, half block 16)
+        (9, 96, 32, 32, 1e-3),  # three blocks padded to four, the rotation starts on the third
+        (3, 128, 128, 32, 1.0),  # everything rotates: no halving
+    ],
+)
+def test_kv_tail_option_is_the_reference(monkeypatch, m, d, rd, block, scale):
+    """tail=True computes the reference bits for every halving count the kernel takes (the launcher
+    picks one with kv_tail_halvings), with and without the cache store, one and four tokens a
+    program, both sums, interleaved and planar rope tables; cache rows outside the slots untouched."""
+    cache, kv, weight, icos, isin, slots = _kv_case(m, d, rd, 2 * m + 3, scale)
+    want = kv_rope_quant_reference(kv, weight, 1e-6, icos, isin, block)
+    halvings = _valid_halvings(d, rd, block)
+    assert (len(halvings) > 1) == (rd < d)
+    untouched = torch.ones(cache.shape[0], dtype=torch.bool)
+    untouched[slots] = False
+    for k in halvings:
+        monkeypatch.setattr(tk, "kv_tail_halvings", lambda *a, k=k: k)
+        for bt, w in ((1, 2), (4, 4)):
+            for tree in (False, True):
+                where = dict(halvings=k, BLOCK_T=bt, tree=tree)
+                cfg = dict(BLOCK_T=bt, num_warps=w, tail=True, **(dict(sum="tree") if tree else {}))
+                tables = (icos, isin) if (k + bt) % 2 else (icos.contiguous(), isin.contiguous())
+                c = cache.clone()
+                out = tk.kv_rope_quant(kv, weight, 1e-6, *tables, block, c, slots, batch_invariant=False,
+                                       config=cfg)
+                assert torch.equal(_bits(out), _bits(want)), where
+                assert torch.equal(_bits(c[slots]), _bits(want)) and (c[untouched] == POISON).all(), where
+                if bt == 4 and not tree:
+                    alone = tk.kv_rope_quant(kv, weight, 1e-6, *tables, block, batch_invariant=False, config=cfg)
+                    assert torch.equal(_bits(alone), _bits(want)), where
+
+
+def test_kv_tail_halvings_and_weight_pairs(monkeypatch):
+    """The launcher halves once where a thread holds two 16-byte vectors and the rotated words are in
+    the second half, else not; tail=True reads the weights as int64 pairs when 8-byte aligned, as
+    fp32 otherwise (and without tail), with the same bits."""
+    assert tk.kv_tail_halvings(512, 64, 32, 4, 4) == 1 and tk.kv_tail_halvings(512, 64, 32, 8, 4) == 1
+    assert tk.kv_tail_halvings(512, 64, 32, 1, 2) == 0 and tk.kv_tail_halvings(512, 64, 32, 4, 8) == 0
+    assert tk.kv_tail_halvings(512, 512, 32, 8, 1) == 0 and tk.kv_tail_halvings(512, 288, 32, 8, 1) == 0
+    seen = []
+    real = tk._kv_rope_quant_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((args[1].dtype, kw["TAIL"], kw["HALVINGS"]))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(tk, "_kv_rope_quant_kernel", Spy())
+    cache, kv, weight, cos, sin, slots = _kv_case(7, 64, 16, 20)
+    want = kv_rope_quant_reference(kv, weight, 1e-6, cos, sin, 32)
+    shifted = torch.empty(65)[1:]  # 4 bytes past an aligned allocation
+    shifted.copy_(weight)
+    assert weight.data_ptr() % 8 == 0 and shifted.data_ptr() % 8 == 4
+    for w, tail in ((weight, True), (shifted, True), (weight, False)):
+        out = tk.kv_rope_quant(kv, w, 1e-6, cos, sin, 32, batch_invariant=False,
+                               config=dict(BLOCK_T=8, num_warps=1, tail=tail))
+        assert torch.equal(_bits(out), _bits(want)), (w.data_ptr() % 8, tail)
+    # D 64 / rd 16 at 8 tokens on 1 warp: two 16-byte vectors a thread, the rotated words in block 1
+    assert seen == [(torch.int64, True, 1), (torch.float32, True, 1), (torch.float32, False, 0)]
+
+
+def test_kv_tail_builds_for_sm90_with_fewer_instructions():
+    """tail=True as launched on the GPU (int64 weight pairs, interleaved tables, hardware conversions,
+    the launcher's halving), compiled for sm_90 without a GPU: fewer PTX instructions than the same
+    config without it at BLOCK_T 4 and 8 (also with sum="tree"), no FMA, no spill, the packed bf16
+    conversion in use."""
+    from sm90 import build_sm90, instructions
+
+    types = dict(kv_ptr="*i32", w_ptr="*fp32", cos_ptr="*i64", sin_ptr="*i64", slot_ptr="*i64", out_ptr="*i32",
+                 cache_ptr="*i32", eps="fp32")
+    builds = []
+    for bt, tree in ((4, False), (8, False), (4, True)):
+        for tail in (False, True):
+            builds.append(dict(
+                module="dsv41_passes.lowering.triton.rope_store", kernel="_kv_rope_quant_kernel",
+                types=dict(types, w_ptr="*i64") if tail else types,
+                aligned=["stride_km", "stride_om", "stride_cm", "stride_sm", "stride_cache"],
+                constexprs=dict(D=512, PAIR0=224, BLOCK=32, NB=16, BLOCK_T=bt, STORE=True, PAIRED=True, HW=True,
+                                TREE=tree, TAIL=tail, HALVINGS=tk.kv_tail_halvings(512, 64, 32, bt, 4) if tail else 0),
+                options=dict(num_warps=4, enable_fp_fusion=False)))
+    built = build_sm90(builds)
+    for i in range(0, len(built), 2):
+        base, tail = (instructions(b["ptx"]) for b in built[i:i + 2])
+        assert len(tail) < len(base), (builds[i]["constexprs"], len(base), len(tail))
+        assert not any(x.startswith("fma.") for x in tail)
+        assert "cvt.rn.bf16x2.f32" in {x.split()[0] for x in tail}
+        assert built[i + 1]["usage"].get("STACK", 0) == 0

@@ -19,6 +19,14 @@ IEEE-rounded, and the FP8 scale exponent and the e4m3 rounding are integer opera
 the fp32 bits. Interpreted (CPU) and GPU runs therefore give the same bits; the only
 operation whose order can differ from torch's is the RMSNorm sum of squares.
 
+The ``tail`` config option (``tail=True``; default off, not timed on the GPU yet) computes the same
+bits with fewer instructions: the norm as without it, then the quant blocks before the rotated ones
+are split off in registers and quantized with no RoPE work or second bf16 rounding, the RoPE runs on
+the other half only (``kv_tail_halvings``), bf16 roundings and the packing are one
+``cvt.rn.bf16x2.f32`` a pair, the never-binding upper FP8 clamp is left out and 8-byte aligned norm
+weights are read as pairs. sm_90 PTX instructions a thread, D 512 / rd 64, 4 warps: BLOCK_T 4
+650 -> 508 (SASS 649 -> 524), BLOCK_T 8 1218 -> 951.
+
 M is a runtime argument (``do_not_specialize``), every offset that involves the token
 index is int64 (a padded Q buffer of 65536 x 64 x 512 bf16 is 4 GiB), and per-row
 arithmetic never depends on M or on the launch grid. It can depend on the launch config in one
@@ -100,6 +108,23 @@ def _pack_bf16x2(y0, y1, HW: tl.constexpr):
 
 
 @triton.jit
+def _cvt_bf16x2(y0, y1):
+    """GPU only: (even, odd) fp32 -> uint32 words of two round-to-nearest-even bf16, one
+    ``cvt.rn.bf16x2.f32`` per word (the scalar conversions plus the packing take three)."""
+    return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [y0, y1],
+                                     dtype=tl.uint32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _round_bf16_pair(y0, y1, HW: tl.constexpr):
+    """``_round_bf16`` of both halves of a pair; HW: through one packed conversion."""
+    if HW:
+        return _unpack_bf16x2(_cvt_bf16x2(y0, y1))
+    else:
+        return _round_bf16(y0, HW), _round_bf16(y1, HW)
+
+
+@triton.jit
 def _rotate(x0, x1, c, s, rot):
     """Interleaved pair rotation where ``rot`` holds, identity elsewhere; products rounded one by one."""
     y0 = x0 * c - x1 * s
@@ -158,17 +183,24 @@ def _to_e4m3(v, HW: tl.constexpr):
 
 
 @triton.jit
-def _fp8_qdq_pairs(z0, z1, HW: tl.constexpr):
+def _fp8_qdq_pairs(z0, z1, HW: tl.constexpr, CLAMP_HI: tl.constexpr = True):
     """FP8-e4m3 round trip of a block split into its even ``z0`` and odd ``z1`` elements.
 
     ``z0``, ``z1``: ``[A, NB, BLOCK/2]``; one UE8M0 scale per ``[a, nb]`` block (both halves).
+    ``448 * 2^k >= amax`` exactly, so a scaled value never exceeds 448 in magnitude (+inf stays +inf:
+    its block's scale 2^120 makes 448 * scale +inf too) and the upper clamp never changes a result;
+    the lower one also maps a NaN (max ignores it) to -448. CLAMP_HI=False leaves the no-op out.
     """
     amax = tl.maximum(tl.max(tl.abs(z0), axis=2), tl.max(tl.abs(z1), axis=2))
     k = _ue8m0_exponent(amax)
     inv_scale = tl.expand_dims(_pow2(-k), 2)
     scale = tl.expand_dims(_pow2(k), 2)
-    q0 = _to_e4m3(tl.minimum(tl.maximum(z0 * inv_scale, -448.0), 448.0), HW) * scale
-    q1 = _to_e4m3(tl.minimum(tl.maximum(z1 * inv_scale, -448.0), 448.0), HW) * scale
+    if CLAMP_HI:
+        q0 = _to_e4m3(tl.minimum(tl.maximum(z0 * inv_scale, -448.0), 448.0), HW) * scale
+        q1 = _to_e4m3(tl.minimum(tl.maximum(z1 * inv_scale, -448.0), 448.0), HW) * scale
+    else:
+        q0 = _to_e4m3(tl.maximum(z0 * inv_scale, -448.0), HW) * scale
+        q1 = _to_e4m3(tl.maximum(z1 * inv_scale, -448.0), HW) * scale
     return q0, q1
 
 
@@ -249,19 +281,73 @@ def _store_rows(cache_ptr, slot, tok_ok, col, col_ok, out, S, stride_cache):
              mask=keep[:, None, None] & col_ok[None, :, :])
 
 
+@triton.jit
+def _rope_tables(cos_ptr, sin_ptr, t, p, rot, stride_cm, stride_cp, stride_sm, stride_sp, PAIRED: tl.constexpr):
+    """cos/sin of the pairs ``p`` of tokens ``t`` (0 where ``rot`` is off), as fp32 tiles like ``p``.
+    PAIRED: one int64 load per pair from the interleaved table (cos in the low half)."""
+    if PAIRED:
+        cs = tl.load(cos_ptr + t[:, None, None] * stride_cm + p[None, :, :], mask=rot, other=0)
+        c = (cs & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)  # little endian: cos first
+        s = ((cs >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+    else:
+        c = tl.load(cos_ptr + t[:, None, None] * stride_cm + p[None, :, :] * stride_cp, mask=rot, other=0.0)
+        s = tl.load(sin_ptr + t[:, None, None] * stride_sm + p[None, :, :] * stride_sp, mask=rot, other=0.0)
+    return c, s
+
+
+@triton.jit
+def _halves(y, BLOCK_T: tl.constexpr, N: tl.constexpr, HB: tl.constexpr):
+    """``[BLOCK_T, N, HB]`` -> its first and last ``N/2`` quant blocks. The split itself renames
+    registers; for the first one Triton changes the layout of the (bf16) values once so that the
+    two halves sit in the same thread."""
+    return tl.split(tl.permute(tl.reshape(y, (BLOCK_T, 2, N // 2, HB)), (0, 2, 3, 1)))
+
+
+@triton.jit
+def _quant_store(y0, y1, t, tok_ok, slot, out_ptr, cache_ptr, S, stride_om, stride_cache,
+                 C0: tl.constexpr, N: tl.constexpr, HB: tl.constexpr, D: tl.constexpr,
+                 STORE: tl.constexpr, HW: tl.constexpr):
+    """FP8 round trip of the bf16 values ``y0``/``y1`` ``[BLOCK_T, N, HB]`` (words ``C0 ..``) and their
+    stores. The scaled values are at most 448 in magnitude (see ``_fp8_qdq_pairs``), so only the lower
+    clamp is applied: it is what maps a NaN to -448, as the two-sided clamp does."""
+    col = C0 + tl.arange(0, N)[:, None] * HB + tl.arange(0, HB)[None, :]
+    col_ok = col < D // 2
+    q0, q1 = _fp8_qdq_pairs(y0, y1, HW, False)
+    if HW:  # exact: the FP8 results have at most 4 significant bits
+        out = _cvt_bf16x2(q0, q1).to(tl.int32, bitcast=True)
+    else:
+        out = _pack_bf16x2(q0, q1, HW).to(tl.int32, bitcast=True)
+    tl.store(out_ptr + t[:, None, None] * stride_om + col[None, :, :], out,
+             mask=tok_ok[:, None, None] & col_ok[None, :, :])
+    if STORE:
+        _store_rows(cache_ptr, slot, tok_ok, col, col_ok, out, S, stride_cache)
+
+
 @triton.jit(do_not_specialize=["M", "S"])
 def _kv_rope_quant_kernel(
     kv_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, cache_ptr, M, S, eps,
     stride_km, stride_om, stride_cm, stride_cp, stride_sm, stride_sp, stride_slot, stride_cache,
     D: tl.constexpr, PAIR0: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
     BLOCK_T: tl.constexpr, STORE: tl.constexpr, PAIRED: tl.constexpr, HW: tl.constexpr, TREE: tl.constexpr,
+    TAIL: tl.constexpr, HALVINGS: tl.constexpr,
 ):
     # tile [BLOCK_T tokens, NB quant blocks, BLOCK/2 words]; kv/out/cache pointers and strides in words.
     # PAIRED: cos_ptr points at int64 words holding (cos, sin) of a pair (the interleaved table of
     # ``view_as_real``), stride_cm in words: one load per pair instead of two strided ones.
+    # TAIL (the ``tail`` config option; same bits as without it): the norm as without it; then the
+    # first half of the quant blocks is split off HALVINGS times (``kv_tail_halvings``), quantized and
+    # stored without RoPE work or the second bf16 rounding (its values are bf16 already), and the RoPE
+    # (tables, products, selects) runs only on the last NB / 2**HALVINGS blocks, which hold every
+    # rotated word (anywhere in them: PAIR0 need not start a block). Also: bf16 roundings and packing
+    # as one cvt.rn.bf16x2.f32 a pair (HW), no upper FP8 clamp (never binds), and with w_ptr int64
+    # (the weights 8-byte aligned) one load per weight pair in the tile's layout.
+    HB: tl.constexpr = BLOCK // 2
+    NR: tl.constexpr = NB >> HALVINGS  # quant blocks the RoPE runs on (TAIL), the last ones
+    R0: tl.constexpr = (NB - NR) * HB  # their first word
+    tl.static_assert(NR >= 1 and R0 <= PAIR0, "HALVINGS must leave every rotated word in the last piece")
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = t < M
-    col = tl.arange(0, NB)[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]  # word = pair index
+    col = tl.arange(0, NB)[:, None] * HB + tl.arange(0, HB)[None, :]  # word = pair index
     col_ok = col < D // 2
     mask = tok_ok[:, None, None] & col_ok[None, :, :]
     # every global load is issued up front (slots and rope tables do not wait for the norm): one
@@ -269,15 +355,29 @@ def _kv_rope_quant_kernel(
     w = tl.load(kv_ptr + t[:, None, None] * stride_km + col[None, :, :], mask=mask, other=0)
     if STORE:
         slot = tl.load(slot_ptr + t * stride_slot, mask=tok_ok, other=-1)
-    p = col - PAIR0
-    rot = tok_ok[:, None, None] & ((p >= 0) & (p < D // 2 - PAIR0))[None, :, :]
-    if PAIRED:
-        cs = tl.load(cos_ptr + t[:, None, None] * stride_cm + p[None, :, :], mask=rot, other=0)
     else:
-        c = tl.load(cos_ptr + t[:, None, None] * stride_cm + p[None, :, :] * stride_cp, mask=rot, other=0.0)
-        s = tl.load(sin_ptr + t[:, None, None] * stride_sm + p[None, :, :] * stride_sp, mask=rot, other=0.0)
-    g0 = tl.load(w_ptr + 2 * col, mask=col_ok, other=0.0)[None, :, :]
-    g1 = tl.load(w_ptr + 2 * col + 1, mask=col_ok, other=0.0)[None, :, :]
+        slot = t  # never read (_quant_store takes it)
+    if TAIL:  # the tables of the last piece only
+        p = R0 + tl.arange(0, NR)[:, None] * HB + tl.arange(0, HB)[None, :] - PAIR0
+        rot = tok_ok[:, None, None] & ((p >= 0) & (p < D // 2 - PAIR0))[None, :, :]
+        c, s = _rope_tables(cos_ptr, sin_ptr, t, p, rot, stride_cm, stride_cp, stride_sm, stride_sp, PAIRED)
+    else:
+        p = col - PAIR0
+        rot = tok_ok[:, None, None] & ((p >= 0) & (p < D // 2 - PAIR0))[None, :, :]
+        if PAIRED:
+            cs = tl.load(cos_ptr + t[:, None, None] * stride_cm + p[None, :, :], mask=rot, other=0)
+        else:
+            c = tl.load(cos_ptr + t[:, None, None] * stride_cm + p[None, :, :] * stride_cp, mask=rot, other=0.0)
+            s = tl.load(sin_ptr + t[:, None, None] * stride_sm + p[None, :, :] * stride_sp, mask=rot, other=0.0)
+    if w_ptr.dtype.element_ty == tl.int64:
+        tl.static_assert(TAIL, "int64 weight pairs are read by the tail path only")
+        gw = tl.load(w_ptr + tl.broadcast_to(col[None, :, :], (BLOCK_T, NB, HB)),
+                     mask=tl.broadcast_to(col_ok[None, :, :], (BLOCK_T, NB, HB)), other=0)
+        g0 = (gw & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+        g1 = ((gw >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+    else:
+        g0 = tl.load(w_ptr + 2 * col, mask=col_ok, other=0.0)[None, :, :]
+        g1 = tl.load(w_ptr + 2 * col + 1, mask=col_ok, other=0.0)[None, :, :]
     x0, x1 = _unpack_bf16x2(w.to(tl.uint32, bitcast=True))
     # RMSNorm: fp32 statistics, (x * rstd) then * weight, one bf16 rounding
     # tl.sum's order follows the register layout: on the GPU a row's bits change with BLOCK_T /
@@ -285,26 +385,55 @@ def _kv_rope_quant_kernel(
     # instructions in the sm_90 build, not yet timed on the GPU, so not the default).
     sq = x0 * x0 + x1 * x1
     if TREE:
-        ms = pairwise_row_sum(tl.reshape(sq, (BLOCK_T, NB * (BLOCK // 2))), BLOCK_T, NB * (BLOCK // 2))
+        ms = pairwise_row_sum(tl.reshape(sq, (BLOCK_T, NB * HB)), BLOCK_T, NB * HB)
     else:
         ms = tl.sum(tl.sum(sq, axis=2), axis=1)
     ms = ms * (1.0 / D)
     rstd = tl.math.div_rn(tl.full((BLOCK_T,), 1.0, tl.float32), tl.sqrt_rn(ms + eps))  # torch.rsqrt on CPU
     rstd = tl.expand_dims(tl.expand_dims(rstd, 1), 2)
-    y0 = _round_bf16(g0 * (x0 * rstd), HW)
-    y1 = _round_bf16(g1 * (x1 * rstd), HW)
-    # RoPE on the last rd dims (pairs never straddle a quant block: BLOCK is even), bf16 rounding
-    if PAIRED:
-        c = (cs & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)  # little endian: cos first
-        s = ((cs >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-    y0, y1 = _rotate(y0, y1, c, s, rot)
-    # FP8 round trip; padded columns are zeros and never raise a block's amax. The results have
-    # at most 4 significant bits, so packing them into bf16 is exact.
-    q0, q1 = _fp8_qdq_pairs(_round_bf16(y0, HW), _round_bf16(y1, HW), HW)
-    out = _pack_bf16x2(q0, q1, HW).to(tl.int32, bitcast=True)
-    tl.store(out_ptr + t[:, None, None] * stride_om + col[None, :, :], out, mask=mask)
-    if STORE:
-        _store_rows(cache_ptr, slot, tok_ok, col, col_ok, out, S, stride_cache)
+    if TAIL:
+        y0, y1 = _round_bf16_pair(g0 * (x0 * rstd), g1 * (x1 * rstd), HW)
+        # no rotated word in the first half: quantize and store it as it is
+        for i in tl.static_range(HALVINGS):
+            y0_head, y0 = _halves(y0, BLOCK_T, NB >> i, HB)
+            y1_head, y1 = _halves(y1, BLOCK_T, NB >> i, HB)
+            _quant_store(y0_head, y1_head, t, tok_ok, slot, out_ptr, cache_ptr, S, stride_om, stride_cache,
+                         (NB - (NB >> i)) * HB, NB >> (i + 1), HB, D, STORE, HW)
+        if PAIR0 == R0:  # every word of the piece rotates (padding past D/2 is zeros): no select
+            y0, y1 = y0 * c - y1 * s, y0 * s + y1 * c
+        else:
+            y0, y1 = _rotate(y0, y1, c, s, rot)
+        y0, y1 = _round_bf16_pair(y0, y1, HW)
+        _quant_store(y0, y1, t, tok_ok, slot, out_ptr, cache_ptr, S, stride_om, stride_cache,
+                     R0, NR, HB, D, STORE, HW)
+    else:
+        y0 = _round_bf16(g0 * (x0 * rstd), HW)
+        y1 = _round_bf16(g1 * (x1 * rstd), HW)
+        # RoPE on the last rd dims (pairs never straddle a quant block: BLOCK is even), bf16 rounding
+        if PAIRED:
+            c = (cs & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)  # little endian: cos first
+            s = ((cs >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+        y0, y1 = _rotate(y0, y1, c, s, rot)
+        # FP8 round trip; padded columns are zeros and never raise a block's amax. The results have
+        # at most 4 significant bits, so packing them into bf16 is exact.
+        q0, q1 = _fp8_qdq_pairs(_round_bf16(y0, HW), _round_bf16(y1, HW), HW)
+        out = _pack_bf16x2(q0, q1, HW).to(tl.int32, bitcast=True)
+        tl.store(out_ptr + t[:, None, None] * stride_om + col[None, :, :], out, mask=mask)
+        if STORE:
+            _store_rows(cache_ptr, slot, tok_ok, col, col_ok, out, S, stride_cache)
+
+
+def kv_tail_halvings(d: int, rd: int, block: int, block_t: int, num_warps: int) -> int:
+    """How often the ``tail`` option halves the quant blocks before the RoPE (the kernel takes any
+    count that leaves every rotated word in the last piece; this picks 0 or 1). One when the rotated
+    words all lie in the second half and a thread holds at least two 16-byte vectors of words: the
+    split then costs one bf16 layout change. sm_90 builds, D 512 / rd 64, SASS instructions up to
+    EXIT: BLOCK_T 4 / 4 warps 569 with no halving, 524 with one; with one vector a thread a halving
+    adds (BLOCK_T 4 / 8 warps: 317 -> 356), and a second one gains nothing at BLOCK_T 8 / 4 warps
+    (975 -> 974: Triton moves data again)."""
+    nb, hb, pair0 = triton.next_power_of_2(d // block), block // 2, (d - rd) // 2
+    vectors = block_t * nb * hb // (32 * num_warps * 4)
+    return int(nb >= 2 and (nb // 2) * hb <= pair0 and vectors >= 2)
 
 
 def _paired_table(cos: torch.Tensor, sin: torch.Tensor, m: int) -> torch.Tensor | None:
@@ -334,6 +463,9 @@ def kv_rope_quant(
     nb = triton.next_power_of_2(d // block)
     if cfg.get("sum") == "tree" and nb * block // 2 > 1024:
         raise ValueError(f"kv_rope_quant: sum='tree' takes at most 1024 bf16 pairs a row, head_dim {d} has more")
+    tail = bool(cfg.get("tail", False))
+    if tail and weight.stride(0) == 1 and weight.data_ptr() % 8 == 0:
+        weight = weight.view(torch.int64)  # (even, odd) weight pairs, one 8-byte load each (else fp32)
     store = cache is not None
     if not store:  # placeholders the STORE=False kernel never touches
         cache, slots = out, out.new_empty((0,), dtype=torch.int64)
@@ -347,7 +479,8 @@ def kv_rope_quant(
         slots.stride(0), cw.stride(0),
         D=d, PAIR0=(d - rd) // 2, BLOCK=block, NB=nb,
         BLOCK_T=block_t, STORE=store, PAIRED=pairs is not None, HW=cfg.get("HW", not INTERPRET),
-        TREE=cfg.get("sum") == "tree",
+        TREE=cfg.get("sum") == "tree", TAIL=tail,
+        HALVINGS=kv_tail_halvings(d, rd, block, block_t, cfg["num_warps"]) if tail else 0,
         num_warps=cfg["num_warps"], enable_fp_fusion=False,
     )
     return out
