@@ -290,23 +290,25 @@ def test_launch_configs_agree():
 
 
 def test_kv_untuned_config_by_token_count(monkeypatch):
-    """Decode sizes launch one token a program, prefill four; batch-invariant mode one config for all."""
+    """Decode sizes launch one token a program, prefill four (on 2 warps past 8192 tokens); batch-invariant
+    mode one config for all."""
     seen = []
     real = tk._kv_rope_quant_kernel
 
     class Spy:
         def __getitem__(self, grid):
             def launch(*args, **kw):
-                seen.append((kw["BLOCK_T"], kw["num_warps"]))
+                seen.append((kw["BLOCK_T"], kw["num_warps"], kw["TAIL"]))
                 return real[grid](*args, **kw)
             return launch
 
     monkeypatch.setattr(tk, "_kv_rope_quant_kernel", Spy())
-    for m, bi in ((5, False), (1025, False), (5, True)):
+    for m, bi in ((5, False), (1025, False), (tk.KV_LARGE_M_MIN, False), (5, True), (tk.KV_LARGE_M_MIN, True)):
         _, kv, weight, cos, sin, _ = _kv_case(m, 64, 16, 2)
         tk.kv_rope_quant(kv, weight, 1e-6, cos, sin, 32, batch_invariant=bi)
-    small, big, bi = ((c["BLOCK_T"], c["num_warps"]) for c in (tk.KV_SMALL_M, tk.KV_DEFAULT, tk.KV_DEFAULT))
-    assert seen == [small, big, bi] and small != big
+    small, mid, large, default = ((c["BLOCK_T"], c["num_warps"], c.get("tail", False)) for c in (
+        tk.KV_SMALL_M, tk.KV_DEFAULT, tk.KV_LARGE_M, tk.KV_DEFAULT))
+    assert seen == [small, mid, large, default, default] and len({small, mid, large}) == 3
 
 
 def test_kv_interleaved_tables_are_read_as_pairs():

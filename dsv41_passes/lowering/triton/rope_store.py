@@ -46,20 +46,28 @@ from ...tuning import tactic
 from ..rope_tables import interleaved_view
 from .common import INTERPRET, pairwise_row_sum
 
-# Launch configs worth timing per op (the tuner's search space). Defaults are M-independent.
+# Launch configs worth timing per op (the tuner's search space). The batch-invariant defaults are M-independent.
 Q_DEFAULT = dict(BLOCK_T=1, BLOCK_H=4, num_warps=4)
-# KV: four tokens a program, 4 warps: 0.063 ms at M = 65536 on the H200 vs 0.105 for one token with
-# 2 warps (benchmarks/results/run13-quick_check.log, run14-quick_check-rest.log)
-KV_DEFAULT = dict(BLOCK_T=4, num_warps=4)
+# KV: four tokens a program, 4 warps (0.063 ms at M = 65536 on the H200 vs 0.105 for one token with
+# 2 warps, run13/14-quick_check), with the tail option: the same bits, 4.1 vs 5.2 us at M = 4096 and
+# equal times at 16384 / 65536 (run28-quick_check-kv.log). Batch-invariant mode runs it at every M.
+KV_DEFAULT = dict(BLOCK_T=4, num_warps=4, tail=True)
 # Decode sizes (untuned, outside batch-invariant mode): one token a program. At M = 128 the bench
-# measured 1.9 us with it (run 22); kernel probe, run 19: 2.04 us vs 2.17 for KV_DEFAULT.
+# measured 1.9 us with it (run 22); kernel probe, run 19: 2.04 us vs 2.17 for four tokens, 4 warps.
 KV_SMALL_M = dict(BLOCK_T=1, num_warps=2)
 KV_SMALL_M_MAX = 1024
+# Large prefill (untuned, outside batch-invariant mode): four tokens on 2 warps, 0.0582 / 0.0160 ms at
+# M = 65536 / 16384 vs 0.0603 / 0.0166 for KV_DEFAULT (run 28; run 25: 0.0586 / 0.0161). Its sum of
+# squares runs in another order, so its bits can differ from KV_DEFAULT's.
+KV_LARGE_M = dict(BLOCK_T=4, num_warps=2)
+KV_LARGE_M_MIN = 8193
 
 
 def kv_untuned_config(m: int) -> dict:
     """The KV launch config an untuned call at M tokens runs (batch-invariant mode: KV_DEFAULT always)."""
-    return KV_SMALL_M if m <= KV_SMALL_M_MAX else KV_DEFAULT
+    if m <= KV_SMALL_M_MAX:
+        return KV_SMALL_M
+    return KV_LARGE_M if m >= KV_LARGE_M_MIN else KV_DEFAULT
 CANDIDATES: dict[str, list[dict]] = {
     "q_rope_store": [
         dict(BLOCK_T=t, BLOCK_H=h, num_warps=w)
@@ -68,8 +76,10 @@ CANDIDATES: dict[str, list[dict]] = {
         for w in (2, 4, 8)
         if t * h <= 16
     ],
-    "kv_rope_quant_store": [dict(BLOCK_T=t, num_warps=w) for t in (1, 2, 4, 8) for w in (1, 2, 4, 8)],
-    "kv_rope_quant": [dict(BLOCK_T=t, num_warps=w) for t in (1, 2, 4, 8) for w in (1, 2, 4, 8)],
+    "kv_rope_quant_store": [dict(BLOCK_T=t, num_warps=w) for t in (1, 2, 4, 8) for w in (1, 2, 4, 8)]
+    + [dict(BLOCK_T=t, num_warps=w, tail=True) for t in (1, 2, 4, 8) for w in (2, 4)],
+    "kv_rope_quant": [dict(BLOCK_T=t, num_warps=w) for t in (1, 2, 4, 8) for w in (1, 2, 4, 8)]
+    + [dict(BLOCK_T=t, num_warps=w, tail=True) for t in (1, 2, 4, 8) for w in (2, 4)],
 }
 
 
