@@ -52,9 +52,10 @@ Q_DEFAULT = dict(BLOCK_T=1, BLOCK_H=4, num_warps=4)
 # 2 warps, run13/14-quick_check), with the tail option: the same bits, 4.1 vs 5.2 us at M = 4096 and
 # equal times at 16384 / 65536 (run28-quick_check-kv.log). Batch-invariant mode runs it at every M.
 KV_DEFAULT = dict(BLOCK_T=4, num_warps=4, tail=True)
-# Decode sizes (untuned, outside batch-invariant mode): one token a program. At M = 128 the bench
-# measured 1.9 us with it (run 22); kernel probe, run 19: 2.04 us vs 2.17 for four tokens, 4 warps.
-KV_SMALL_M = dict(BLOCK_T=1, num_warps=2)
+# Decode sizes (untuned, outside batch-invariant mode): one token a program, with the tail option (the
+# same bits as without): 1.7 us at M = 128 (run29-quick_check-kv.log) where the bench measured 1.9
+# without it (runs 22, 29); kernel probe, run 19: 2.04 us vs 2.17 for four tokens, 4 warps.
+KV_SMALL_M = dict(BLOCK_T=1, num_warps=2, tail=True)
 KV_SMALL_M_MAX = 1024
 # Large prefill (untuned, outside batch-invariant mode): four tokens on 2 warps, 0.0582 / 0.0160 ms at
 # M = 65536 / 16384 vs 0.0603 / 0.0166 for KV_DEFAULT (run 28; run 25: 0.0586 / 0.0161). Its sum of
