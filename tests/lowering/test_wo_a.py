@@ -326,6 +326,11 @@ def test_tilelang_compiles_for_sm90a(tmp_path):
         assert "wgmma" in src, f"{name}: no tensor-core wgmma in the sm_90a source"
         assert "int M" in src, f"{name}: the token count is not a runtime argument"
     assert "tma_load" in sources["batch_invariant"]
+    # batch-invariant = prefill default: the bf16 tile leaves through shared memory by TMA (epi_smem)
+    assert "tma_store" in sources["batch_invariant"] and "tma_store" in sources["prefill_default"]
+    # decode default: split-K, the part index is the third grid axis and the partials are fp32
+    assert "blockIdx.z" in sources["decode"] and "float* __restrict__ Z" in sources["decode"]
+    assert "blockIdx.z" not in sources["prefill_default"]
     # one K loop: warpgroups split the 128 x 256 tile by rows (wgmma m64n256), rope chunks in place
     one = sources["one_loop"]
     assert "tma_load" in one and "64, 256, 16, false" in one and "x1 * c" in one
