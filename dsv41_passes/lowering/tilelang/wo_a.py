@@ -41,7 +41,8 @@ TARGET = {"kind": "cuda", "arch": "sm_90a"}
 # Tactic key of this provider (its configs differ from the Triton provider's).
 TACTIC_OP = "wo_a.tilelang"
 
-_DECODE_CANDIDATE = dict(BM=128, BN=128, BK=64, stages=4, threads=256, one_loop=True, cs_regs=True)
+# one K loop, 128 x 128 tiles, cos/sin in registers: the decode-size defaults (split-K or not)
+_DECODE = dict(BM=128, BN=128, BK=64, stages=4, threads=256, one_loop=True, cs_regs=True)
 CANDIDATES: dict[str, list[dict]] = {
     TACTIC_OP: [
         dict(BM=bm, BN=bn, BK=bk, stages=s, threads=t)
@@ -58,12 +59,10 @@ CANDIDATES: dict[str, list[dict]] = {
     + [  # the same with each thread's cos/sin pairs loaded once, before the loop, into registers
         dict(BM=128, BN=256, BK=64, stages=s, threads=256, one_loop=True, cs_regs=True) for s in (3, 4)
     ]
-    + [dict(_DECODE_CANDIDATE, SPLIT=s) for s in (2, 4, 8)]  # split-K (decode sizes)
-    + [  # the tile leaves through shared memory (TMA store); 128 x 128 x 3 stages: 96 KiB, two CTAs an SM
-        dict(BM=128, BN=256, BK=64, stages=3, threads=256, one_loop=True, cs_regs=True, epi_smem=True),
-        dict(BM=128, BN=128, BK=64, stages=3, threads=256, one_loop=True),
-        dict(BM=128, BN=128, BK=64, stages=3, threads=256, one_loop=True, epi_smem=True),
-    ]
+    + [dict(_DECODE, SPLIT=s) for s in (2, 4, 8)]  # split-K (decode sizes)
+    # the tile leaves through shared memory (TMA store); 128 x 128 x 3 stages with or without it measured
+    # 2.39-2.51 ms at 65536 against 1.73 for this one (run26-quick_check-wo_a.log) and were dropped
+    + [dict(BM=128, BN=256, BK=64, stages=3, threads=256, one_loop=True, cs_regs=True, epi_smem=True)]
     + [  # the same with the rope chunk de-rotated into registers (wgmma with A from registers); at
         # 128 x 256 it measured slower than in place (run14-quick_check-rest.log), so small tiles only
         dict(BM=64, BN=bn, BK=64, stages=4, threads=128, one_loop=True, rope_regs=True) for bn in (64, 128)
@@ -78,7 +77,6 @@ BATCH_INVARIANT_CONFIG = dict(BM=128, BN=256, BK=64, stages=3, threads=256, one_
 # 512 where the 64 x 64 one-loop kernel took 27.4 / 28.1 / 55.3), 128 x 128 up to 1024 (31.4 vs 112 us),
 # 128 x 256 with the tile stored through shared memory above (0.0997 vs 0.106 ms at 4096, 1.73 vs 1.80 at
 # 65536). M <= 16 (outside batch-invariant mode) runs the Triton split-K kernel (``triton.wo_a``).
-_DECODE = dict(BM=128, BN=128, BK=64, stages=4, threads=256, one_loop=True, cs_regs=True)
 DEFAULTS: list[tuple[int, dict]] = [
     (128, dict(_DECODE, SPLIT=8)),
     (256, dict(_DECODE, SPLIT=4)),
