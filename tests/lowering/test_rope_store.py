@@ -293,13 +293,11 @@ def test_kv_untuned_config_by_token_count(monkeypatch):
     """Decode sizes launch one token a program, prefill four (on 2 warps past 8192 tokens); batch-invariant
     mode one config for all."""
     seen = []
-    real = tk._kv_rope_quant_kernel
 
-    class Spy:
+    class Spy:  # records the launch config; the kernel itself is covered by the tests above
         def __getitem__(self, grid):
             def launch(*args, **kw):
                 seen.append((kw["BLOCK_T"], kw["num_warps"], kw["TAIL"]))
-                return real[grid](*args, **kw)
             return launch
 
     monkeypatch.setattr(tk, "_kv_rope_quant_kernel", Spy())
