@@ -33,24 +33,7 @@ def pairwise_row_sum(t, R: tl.constexpr, W: tl.constexpr):
     """``[R, W] -> [R]`` (W a power of two <= 1024): adjacent pairs, then pairs of those, ...; the order
     is fixed by the shape, never by the register layout (``tl.sum``'s follows the layout)."""
     tl.static_assert(W <= 1024, "pairwise_row_sum takes at most 1024 columns")
-    if W >= 1024:
-        t = _halve(t, R, 1024)
-    if W >= 512:
-        t = _halve(t, R, 512)
-    if W >= 256:
-        t = _halve(t, R, 256)
-    if W >= 128:
-        t = _halve(t, R, 128)
-    if W >= 64:
-        t = _halve(t, R, 64)
-    if W >= 32:
-        t = _halve(t, R, 32)
-    if W >= 16:
-        t = _halve(t, R, 16)
-    if W >= 8:
-        t = _halve(t, R, 8)
-    if W >= 4:
-        t = _halve(t, R, 4)
-    if W >= 2:
-        t = _halve(t, R, 2)
+    for i in tl.static_range(10):  # widths W, W/2, ..., 2 (unrolled at compile time)
+        if (W >> i) >= 2:
+            t = _halve(t, R, W >> i)
     return tl.reshape(t, (R,))
