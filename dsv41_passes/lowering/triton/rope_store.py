@@ -373,16 +373,10 @@ def _kv_rope_quant_kernel(
         slot = t  # never read (_quant_store takes it)
     if TAIL:  # the tables of the last piece only
         p = R0 + tl.arange(0, NR)[:, None] * HB + tl.arange(0, HB)[None, :] - PAIR0
-        rot = tok_ok[:, None, None] & ((p >= 0) & (p < D // 2 - PAIR0))[None, :, :]
-        c, s = _rope_tables(cos_ptr, sin_ptr, t, p, rot, stride_cm, stride_cp, stride_sm, stride_sp, PAIRED)
     else:
         p = col - PAIR0
-        rot = tok_ok[:, None, None] & ((p >= 0) & (p < D // 2 - PAIR0))[None, :, :]
-        if PAIRED:
-            cs = tl.load(cos_ptr + t[:, None, None] * stride_cm + p[None, :, :], mask=rot, other=0)
-        else:
-            c = tl.load(cos_ptr + t[:, None, None] * stride_cm + p[None, :, :] * stride_cp, mask=rot, other=0.0)
-            s = tl.load(sin_ptr + t[:, None, None] * stride_sm + p[None, :, :] * stride_sp, mask=rot, other=0.0)
+    rot = tok_ok[:, None, None] & ((p >= 0) & (p < D // 2 - PAIR0))[None, :, :]
+    c, s = _rope_tables(cos_ptr, sin_ptr, t, p, rot, stride_cm, stride_cp, stride_sm, stride_sp, PAIRED)
     if w_ptr.dtype.element_ty == tl.int64:
         tl.static_assert(TAIL, "int64 weight pairs are read by the tail path only")
         gw = tl.load(w_ptr + tl.broadcast_to(col[None, :, :], (BLOCK_T, NB, HB)),
@@ -424,9 +418,6 @@ def _kv_rope_quant_kernel(
         y0 = _round_bf16(g0 * (x0 * rstd), HW)
         y1 = _round_bf16(g1 * (x1 * rstd), HW)
         # RoPE on the last rd dims (pairs never straddle a quant block: BLOCK is even), bf16 rounding
-        if PAIRED:
-            c = (cs & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)  # little endian: cos first
-            s = ((cs >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
         y0, y1 = _rotate(y0, y1, c, s, rot)
         # FP8 round trip; padded columns are zeros and never raise a block's amax. The results have
         # at most 4 significant bits, so packing them into bf16 is exact.
