@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..reference.rope import apply_rotary_real
@@ -33,6 +35,15 @@ def geometry(o: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int, int,
     n, k = weight.shape
     g = h * d // k
     return m, h, d, g, n // g, k
+
+
+def split_parts(requested: int, heads_per_group: int, batch_invariant: bool, provider: str) -> int:
+    """Split-K parts a config asks for, clipped to a divisor of the group's heads (whole heads per part).
+    Split-K sums the parts in its own order, so batch-invariant mode refuses it."""
+    parts = math.gcd(requested, heads_per_group)
+    if parts > 1 and batch_invariant:
+        raise ValueError(f"wo_a ({provider}): split-K configs are not batch-invariant (their sum order is theirs)")
+    return parts
 
 
 def check_args(

@@ -26,7 +26,6 @@ M is ``T.dynamic``: one binary per config serves every token count. nvcc runs wi
 # No ``from __future__ import annotations``: TileLang evaluates the prim_func annotations,
 # which name this module's closure variables.
 
-import math
 import threading
 from typing import Any
 
@@ -34,7 +33,7 @@ import torch
 
 from ...tuning import tactic
 from ..rope_tables import interleaved_view
-from ..wo_a import geometry
+from ..wo_a import geometry, split_parts
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
@@ -375,10 +374,8 @@ def wo_a(
         config = tactic(op, m, key, default, batch_invariant=batch_invariant)
     bn, bk = _tiles(config, d, r, rd)
     cfg = dict(config, BN=bn, BK=bk)
-    split = math.gcd(cfg.pop("SPLIT", 1), h // g)  # whole heads of the group per part
+    split = split_parts(cfg.pop("SPLIT", 1), h // g, batch_invariant, "tilelang")
     if split > 1:
-        if batch_invariant:
-            raise ValueError("wo_a (tilelang): split-K configs are not batch-invariant (their sum order is theirs)")
         if not cfg.get("one_loop"):
             raise ValueError("wo_a (tilelang): split-K needs a one_loop config")
         cfg["SPLIT"] = split

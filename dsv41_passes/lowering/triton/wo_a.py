@@ -21,14 +21,12 @@ depend on the batch.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from ...tuning import tactic
-from ..wo_a import geometry
+from ..wo_a import geometry, split_parts
 from .common import INTERPRET, rne_bf16
 
 # Configs worth timing per op (a tuner picks per M bucket; BN and BK are clipped to the shape).
@@ -207,9 +205,7 @@ def wo_a(
     bn, bk = _tile_sizes(config, d, r, rd)
     bm = config["BM"]
     n_tiles = n // bn
-    split = math.gcd(config.get("SPLIT", 1), h // g)  # split-K parts: whole heads of the group each
-    if split > 1 and batch_invariant:
-        raise ValueError("wo_a (triton): split-K configs are not batch-invariant (their sum order is theirs)")
+    split = split_parts(config.get("SPLIT", 1), h // g, batch_invariant, "triton")
     if cos is None:
         cos = sin = z  # never read (RD == 0)
     out = z if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=o.device)
