@@ -24,6 +24,7 @@ about the 1.5 expert FFNs a rank computes per token under top-6 of 384) plus the
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -302,7 +303,9 @@ def main() -> None:
         from benchmarks.common import versions
 
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"benchmark": "prefill", "versions": versions(), **payload}, indent=1))
+        date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        path.write_text(json.dumps({"benchmark": "prefill", "date": date, "argv": sys.argv, "versions": versions(),
+                                    **payload}, indent=1))
     else:
         from benchmarks.common import write_result
 
