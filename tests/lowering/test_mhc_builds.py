@@ -3,6 +3,7 @@ projection candidate, no FMA contraction, no spills) and the TileLang kernels th
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -87,6 +88,14 @@ def test_triton_sm90_builds_one_wgmma_shape_and_no_fma():
         # 12 wgmma groups per chunk (4 streams x hi/mid/lo), plus the epilogue's
         groups = sum(i.startswith("wgmma.commit_group") for i in ins)
         assert groups in range(12, 20), (n, groups)
+        # the hi part's dots start from a zero constant (its sums are added in fp32 registers); mid and lo
+        # chain in the MMA: a fold of the hi add into the MMA chain would show as no zero-started dot
+        ttir = built[n]["ttir"]
+        zeros = set(re.findall(r"(%\w+) = arith.constant dense<0\.0+e\+00> : tensor<\d+x32xf32>", ttir))
+        starts = [m.groups() for m in re.finditer(r"tt.dot %\w+, %(\w+), (%\w+)", ttir)]
+        hi = [acc for w, acc in starts if w.startswith("w_hi")]
+        assert hi and all(acc in zeros for acc in hi), (n, hi, zeros)
+        assert not any(acc in zeros for w, acc in starts if not w.startswith("w_hi")), n
     # the default configs keep everything in registers (under Triton 3.9 the previous projection spilled)
     default = tk.DEFAULTS["mhc_pre"]
     usage = built[f"pre {default['BLOCK_M']}x{default['num_warps']}"]["usage"]

@@ -285,6 +285,12 @@ def test_finish_kernel_gives_the_last_arriver_bits(weight):
             assert_equal(a, b, f"{name} output {i}")
 
 
+def test_unknown_finish_is_rejected():
+    t = make_inputs(4, D, seed=1)
+    with pytest.raises(ValueError, match="finish must be"):
+        pre_op(t, "w", config=dict(BLOCK_M=128, num_warps=4, num_stages=1, finish="later"))
+
+
 def test_default_configs_keep_wgmma_rows():
     for op in ("mhc_stats", "mhc_pre", "mhc_boundary"):
         for cfg in [tk.DEFAULTS[op], *tk.CANDIDATES[op]]:

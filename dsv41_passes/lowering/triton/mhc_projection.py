@@ -28,6 +28,21 @@ from .mhc_common import (
 )
 
 # ----------------------------------------------------------------------------- stats / pre / boundary
+# inline PTX only where a GPU compiles the kernel (tests may run the GPU code path in the interpreter)
+_PTX = tl.constexpr(not INTERPRET)
+
+
+@triton.jit
+def _add_rn(x, y):
+    """``x + y`` rounded to nearest, opaque to Triton: it cannot fold the add into the MMA's accumulator
+    (which would accumulate in the MMA instead, see ``_dot3``)."""
+    if _PTX:
+        return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [x, y], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return x + y
+
+
 @triton.jit
 def _dot3(a, parts_ptr, krows, acc_hi, acc_mid, acc_lo, K: tl.constexpr, INTERP: tl.constexpr):
     """acc_p += a @ part_p[krows, :] for the hi, mid and lo bf16 parts ([3, K, NP])."""
@@ -42,11 +57,11 @@ def _dot3(a, parts_ptr, krows, acc_hi, acc_mid, acc_lo, K: tl.constexpr, INTERP:
     else:
         # Hopper's in-MMA accumulation is not IEEE round-to-nearest: over a 1280-long chain its error
         # reached ~1.3e-6 normwise. Only the hi part carries that weight: each of its dots starts
-        # from zero (``acc * 0``, a zero the compiler cannot fold) and is added in fp32 registers.
+        # from zero and is added in fp32 registers (``_add_rn``: Triton would fold a plain ``+=`` of a
+        # zero-started dot into the MMA chain; the ``acc * 0`` start used before cost 16 FMULs a dot).
         # The mid and lo parts are below 2^-8 and 2^-16 of it, so their chains accumulate in the MMA
         # over the whole slice (error ~2^-8 smaller again; no fresh-accumulator adds, no waits).
-        z = acc_hi * 0.0
-        acc_hi += tl.dot(a, w_hi, z)
+        acc_hi = _add_rn(acc_hi, tl.dot(a, w_hi))
         acc_mid = tl.dot(a, w_mid, acc_mid)
         acc_lo = tl.dot(a, w_lo, acc_lo)
     return acc_hi, acc_mid, acc_lo
@@ -155,6 +170,11 @@ def _proj_kernel(
     acc_lo = tl.zeros((BM, _NP), tl.float32)
     ssq = tl.zeros((BM, BK), tl.float32)
     xsq = tl.zeros((BM, BK), tl.float32)
+    if COLLAPSE:  # the collapse weights, loaded once (inside the loop each load stalled its chunk)
+        p0 = tl.load(pre_prev_ptr + rows * 4, mask=rmask, other=0.0)[:, None]
+        p1 = tl.load(pre_prev_ptr + rows * 4 + 1, mask=rmask, other=0.0)[:, None]
+        p2 = tl.load(pre_prev_ptr + rows * 4 + 2, mask=rmask, other=0.0)[:, None]
+        p3 = tl.load(pre_prev_ptr + rows * 4 + 3, mask=rmask, other=0.0)[:, None]
     for c in range(DS // BK):
         cols = s * DS + c * BK + tl.arange(0, BK)
         hb = h_ptr + rr * stride_h + cols[None, :]
@@ -184,11 +204,14 @@ def _proj_kernel(
             acc_hi, acc_mid, acc_lo = _dot3(ak, parts_ptr, k * D + cols, acc_hi, acc_mid, acc_lo, K, INTERP)
             ssq = tl.fma(hk, hk, ssq)
             if COLLAPSE:
-                pk = tl.load(pre_prev_ptr + rows * 4 + k, mask=rmask, other=0.0)[:, None]
                 if k == 0:
-                    xc = pk * hk
+                    xc = p0 * hk
+                elif k == 1:
+                    xc += p1 * hk
+                elif k == 2:
+                    xc += p2 * hk
                 else:
-                    xc += pk * hk
+                    xc += p3 * hk
         if COLLAPSE:
             xb, xc = _round_bf16(xc, INTERP)
             tl.store(x_ptr + rr * stride_x + cols[None, :], xb, mask=m2)
@@ -284,7 +307,10 @@ def _launch_proj(
     xss = torch.empty_like(ss) if norm else ss
     # finish: "last" = the last slice program of a row block reduces it (arrival counters);
     # "kernel" = a second launch does (no counters to zero)
-    finish_last = cfg.get("finish", "last") == "last"
+    finish = cfg.get("finish", "last")
+    if finish not in ("last", "kernel"):
+        raise ValueError(f"Triton {op}: finish must be 'last' or 'kernel', got {finish!r}")
+    finish_last = finish == "last"
     count = torch.zeros(nblocks if finish_last else 0, dtype=torch.int32, device=dev)
     _, bk = slice_geometry(d)
     dummy = out["pre"]
@@ -301,10 +327,10 @@ def _launch_proj(
         x.stride(0) if collapse else 0,
         int(iters), float(hc_eps), float(norm_eps), float(eps),
         D=d, BK=bk, BM=bm, XB=_norm_block(d, bm), BOUNDARY=boundary, COLLAPSE=collapse, NORM=norm, MIXES=mixes,
-        FINISH=finish_last, INTERP=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
-        **LAUNCH_OPTIONS,
+        FINISH=finish_last, INTERP=INTERPRET, num_warps=cfg["num_warps"],
+        num_stages=cfg.get("num_stages", 3), **LAUNCH_OPTIONS,
     )
-    if not finish_last:
+    if finish == "kernel":
         xb = _norm_block(d, bm)
         parts_n = _finish_parts(d, xb) if norm else 1
         _finish_kernel[(nblocks, parts_n)](
