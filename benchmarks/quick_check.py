@@ -122,8 +122,6 @@ def mhc(m: int) -> None:
     row("mhc_pre", f"roofline M={m}", "", roof)
     d0 = tk.DEFAULTS["mhc_pre"]
     configs = {f"default (finish={d0.get('finish', 'last')})": d0, "finish=last": dict(d0, finish="last")}
-    for bm, nw, st in ((64, 4, 2), (128, 8, 3)):
-        configs[f"BM {bm}, {nw}w, {st}st"] = dict(BLOCK_M=bm, num_warps=nw, num_stages=st, finish="kernel")
     time_configs("mhc_pre", m, roof, configs,
                  lambda cfg: tk.mhc_pre(h, pre_prev, parts, scale, base, w, 20, 1e-6, 1e-6, 1e-6,
                                         batch_invariant=False, config=cfg))

@@ -45,7 +45,7 @@ def _sm90_builds(d: int = 5120) -> tuple[list[str], list[dict]]:
     xb = tk._norm_block(d, bm)
     add("finish kernel", "_finish_kernel",
         "x_ptr w_ptr scale_ptr base_ptr pre_ptr post_ptr comb_ptr mix_ptr ws_ptr ss_ptr xss_ptr".split(), floats,
-        dict(D=d, BM=bm, XB=xb, NC=d // xb // 16, NORM=True, MIXES=False, INTERP=False),
+        dict(D=d, BM=bm, XB=xb, NC=d // xb // 16, NORM=True, MIXES=False, PARTS=16, INTERP=False),
         module="dsv41_passes.lowering.triton.mhc_projection", num_warps=4)
     cfg = tk.DEFAULTS["mhc_boundary"]
     add("boundary", "_proj_kernel", proj_ptrs, floats,

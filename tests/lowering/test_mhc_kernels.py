@@ -277,12 +277,13 @@ def test_finish_kernel_gives_the_last_arriver_bits(weight):
 
     assert _finish_parts(D, _norm_block(D, 128)) >= 2
     t = make_inputs(150, D, seed=9)
-    last = dict(BLOCK_M=128, num_warps=4, num_stages=1)
-    kern = dict(last, finish="kernel")
-    for name, fn in (("stats", lambda **kw: stats(t, **kw)), ("pre", lambda **kw: pre_op(t, weight, **kw)),
-                     ("boundary", lambda **kw: boundary_op(t, weight, **kw))):
-        for i, (a, b) in enumerate(zip(fn(config=last), fn(config=kern))):
-            assert_equal(a, b, f"{name} output {i}")
+    # 2 row blocks (one column block a normalizing program) and 10 row blocks (<= 16 column parts)
+    for last in (dict(BLOCK_M=128, num_warps=4, num_stages=1), dict(BLOCK_M=16, num_warps=1, num_stages=1)):
+        kern = dict(last, finish="kernel")
+        for name, fn in (("stats", lambda **kw: stats(t, **kw)), ("pre", lambda **kw: pre_op(t, weight, **kw)),
+                         ("boundary", lambda **kw: boundary_op(t, weight, **kw))):
+            for i, (a, b) in enumerate(zip(fn(config=last), fn(config=kern))):
+                assert_equal(a, b, f"{name} output {i} {last}")
 
 
 def test_unknown_finish_is_rejected():

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -82,7 +84,7 @@ def _finish_stats(
     t_c2 = tl.zeros((BM, 4), tl.float32)
     t_c3 = tl.zeros((BM, 4), tl.float32)
     ss = tl.zeros((BM,), tl.float32)
-    for s in range(_S):
+    for s in tl.static_range(_S):  # unrolled: every partial's loads can be in flight at once
         p = ws_ptr + ((slot0 + s) * BM + r[:, None]) * _NMIX + c4[None, :]
         t_pre += tl.load(p, cache_modifier=".cg")
         t_post += tl.load(p + 4, cache_modifier=".cg")
@@ -234,7 +236,7 @@ def _proj_kernel(
                       mix_ptr, iters, hc_eps, norm_eps, K, BM, MIXES)
         if NORM:
             xs = tl.zeros((BM,), tl.float32)
-            for s2 in range(_S):
+            for s2 in tl.static_range(_S):
                 xs += tl.load(xss_ptr + (slot0 + s2) * BM + r, cache_modifier=".cg")
             _normalize_rows(x_ptr, w_ptr, rows, rmask, stride_x, xs, eps, D, XB, ".cg", INTERP)
 
@@ -244,25 +246,34 @@ def _finish_kernel(
     x_ptr, w_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, mix_ptr, ws_ptr, ss_ptr, xss_ptr,
     M, stride_x, iters, hc_eps, norm_eps, eps,
     D: tl.constexpr, BM: tl.constexpr, XB: tl.constexpr, NC: tl.constexpr, NORM: tl.constexpr,
-    MIXES: tl.constexpr, INTERP: tl.constexpr,
+    MIXES: tl.constexpr, PARTS: tl.constexpr, INTERP: tl.constexpr,
 ):
-    """The reduction of ``_proj_kernel`` (FINISH=False) as its own launch: program (row block, column
-    part) normalizes NC * XB columns of x; column part 0 also finishes the stats. Same arithmetic as the
-    last-arriver path, spread over more programs (the serial tail of one program per row block is gone)."""
+    """The reduction of ``_proj_kernel`` (FINISH=False) as its own launch: program (row block, part < PARTS)
+    normalizes NC * XB columns of x, and the row block's last program (part = PARTS) finishes the
+    stats. Same arithmetic as the last-arriver path, spread over more programs (the serial tail of one
+    program per row block is gone)."""
     rb = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     r = tl.arange(0, BM)
     rows = rb * BM + r
     rmask = rows < M
     slot0 = rb * _S
-    if part == 0:
+    if part == PARTS:
         _finish_stats(ws_ptr, ss_ptr, slot0, rows, rmask, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
                       mix_ptr, iters, hc_eps, norm_eps, 4 * D, BM, MIXES)
-    if NORM:
+    elif NORM:
         xs = tl.zeros((BM,), tl.float32)
-        for s2 in range(_S):
+        for s2 in tl.static_range(_S):
             xs += tl.load(xss_ptr + (slot0 + s2) * BM + r)
         _normalize_cols(x_ptr, w_ptr, rows, rmask, stride_x, xs, eps, part * NC * XB, NC, D, XB, "", INTERP)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(dev: torch.device) -> int:
+    """Multiprocessors of ``dev`` (a fixed 132 off CUDA: the interpreter's programs run one by one)."""
+    if dev.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(dev).multi_processor_count
 
 
 def _finish_parts(d: int, xb: int) -> int:
@@ -332,13 +343,14 @@ def _launch_proj(
     )
     if finish == "kernel":
         xb = _norm_block(d, bm)
-        parts_n = _finish_parts(d, xb) if norm else 1
-        _finish_kernel[(nblocks, parts_n)](
+        # one column block a program when few row blocks (decode: one load latency, not NC), else <= 16
+        parts_n = (d // xb if nblocks * 16 < _sm_count(dev) else _finish_parts(d, xb)) if norm else 0
+        _finish_kernel[(nblocks, parts_n + 1)](
             x, weight.contiguous() if norm else dummy, scale.contiguous(), base.contiguous(),
             out["pre"], out["post"], out["comb"], out.get("mixes", dummy), ws, ss, xss,
             m, x.stride(0) if collapse else 0, int(iters), float(hc_eps), float(norm_eps), float(eps),
-            D=d, BM=bm, XB=xb, NC=d // xb // parts_n, NORM=norm, MIXES=mixes, INTERP=INTERPRET,
-            num_warps=4, **LAUNCH_OPTIONS,
+            D=d, BM=bm, XB=xb, NC=d // xb // max(parts_n, 1), NORM=norm, MIXES=mixes, PARTS=parts_n,
+            INTERP=INTERPRET, num_warps=4, **LAUNCH_OPTIONS,
         )
     return out
 
