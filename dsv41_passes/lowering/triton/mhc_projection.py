@@ -338,8 +338,8 @@ def _launch_proj(
         x.stride(0) if collapse else 0,
         int(iters), float(hc_eps), float(norm_eps), float(eps),
         D=d, BK=bk, BM=bm, XB=_norm_block(d, bm), BOUNDARY=boundary, COLLAPSE=collapse, NORM=norm, MIXES=mixes,
-        FINISH=finish_last, INTERP=INTERPRET, num_warps=cfg["num_warps"],
-        num_stages=cfg.get("num_stages", 3), **LAUNCH_OPTIONS,
+        FINISH=finish_last, INTERP=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
+        **LAUNCH_OPTIONS,
     )
     if finish == "kernel":
         xb = _norm_block(d, bm)
