@@ -122,6 +122,8 @@ def mhc(m: int) -> None:
     row("mhc_pre", f"roofline M={m}", "", roof)
     d0 = tk.DEFAULTS["mhc_pre"]
     configs = {f"default (finish={d0.get('finish', 'last')})": d0, "finish=last": dict(d0, finish="last")}
+    if m <= 1024:  # K slices in two pieces (not a default yet: see mhc_common.SPLITS)
+        configs["split 2"] = dict(d0, split=2)
     time_configs("mhc_pre", m, roof, configs,
                  lambda cfg: tk.mhc_pre(h, pre_prev, parts, scale, base, w, 20, 1e-6, 1e-6, 1e-6,
                                         batch_invariant=False, config=cfg))

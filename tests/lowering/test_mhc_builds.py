@@ -35,27 +35,33 @@ def _sm90_builds(d: int = 5120) -> tuple[list[str], list[dict]]:
     variants = {(c["BLOCK_M"], c["num_warps"]) for c in tk.CANDIDATES["mhc_pre"]}
     for bm, warps in sorted(variants):
         consts = dict(D=d, BK=bk, BM=bm, XB=tk._norm_block(d, bm), BOUNDARY=False, COLLAPSE=True, NORM=True,
-                      MIXES=False, FINISH=True, INTERP=False)
+                      MIXES=False, FINISH=True, SPLIT=1, INTERP=False)
         add(f"pre {bm}x{warps}", "_proj_kernel", proj_ptrs, floats, consts, num_warps=warps, num_stages=3)
     cfg = tk.DEFAULTS["mhc_pre"]
     bm = cfg["BLOCK_M"]
     add("pre finish=kernel", "_proj_kernel", proj_ptrs, floats,
         dict(D=d, BK=bk, BM=bm, XB=tk._norm_block(d, bm), BOUNDARY=False, COLLAPSE=True, NORM=True, MIXES=False,
-             FINISH=False, INTERP=False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+             FINISH=False, SPLIT=1, INTERP=False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    add("pre finish=kernel split=2", "_proj_kernel", proj_ptrs, floats,
+        dict(D=d, BK=bk, BM=bm, XB=tk._norm_block(d, bm), BOUNDARY=False, COLLAPSE=True, NORM=True, MIXES=False,
+             FINISH=False, SPLIT=2, INTERP=False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     xb = tk._norm_block(d, bm)
-    add("finish kernel", "_finish_kernel",
-        "x_ptr w_ptr scale_ptr base_ptr pre_ptr post_ptr comb_ptr mix_ptr ws_ptr ss_ptr xss_ptr".split(), floats,
-        dict(D=d, BM=bm, XB=xb, NC=d // xb // 16, NORM=True, MIXES=False, PARTS=16, INTERP=False),
-        module="dsv41_passes.lowering.triton.mhc_projection", num_warps=4)
+    for npart, parts in ((16, 16), (32, d // xb)):  # prefill layout; split 2 with the decode layout
+        add(f"finish kernel {npart} partials", "_finish_kernel",
+            "x_ptr w_ptr scale_ptr base_ptr pre_ptr post_ptr comb_ptr mix_ptr ws_ptr ss_ptr xss_ptr".split(), floats,
+            dict(D=d, BM=bm, XB=xb, NC=d // xb // parts, NORM=True, MIXES=False, NPART=npart, PARTS=parts,
+                 INTERP=False),
+            module="dsv41_passes.lowering.triton.mhc_projection", num_warps=4)
     cfg = tk.DEFAULTS["mhc_boundary"]
     add("boundary", "_proj_kernel", proj_ptrs, floats,
         dict(D=d, BK=bk, BM=cfg["BLOCK_M"], XB=tk._norm_block(d, cfg["BLOCK_M"]), BOUNDARY=True, COLLAPSE=True,
-             NORM=True, MIXES=False, FINISH=True, INTERP=False), num_warps=cfg["num_warps"],
+             NORM=True, MIXES=False, FINISH=True, SPLIT=1, INTERP=False), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     cfg = tk.DEFAULTS["mhc_collapse"]
     for norm in (False, True):
         add(f"collapse norm={norm}", "_collapse_kernel", ("h_ptr", "pre_ptr", "w_ptr", "x_ptr"), ("eps",),
-            dict(D=d, BK=bk, BLOCK_R=cfg["BLOCK_R"], XB=tk._norm_block(d, cfg["BLOCK_R"]), NORM=norm, INTERP=False),
+            dict(D=d, BK=bk, BLOCK_R=cfg["BLOCK_R"], XB=tk._norm_block(d, cfg["BLOCK_R"]), NORM=norm, SPLIT=1,
+                 INTERP=False),
             num_warps=cfg["num_warps"])
     cfg = tk.DEFAULTS["mhc_post"]
     post = dict(D=d, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"], ROW_MAJOR=cfg.get("order", "row") == "row",
@@ -100,7 +106,8 @@ def test_triton_sm90_builds_one_wgmma_shape_and_no_fma():
     default = tk.DEFAULTS["mhc_pre"]
     usage = built[f"pre {default['BLOCK_M']}x{default['num_warps']}"]["usage"]
     assert usage and usage["STACK"] == 0 and usage["REG"] <= 255, usage
-    for n in ("collapse norm=False", "collapse norm=True", "post", "finish kernel"):
+    for n in ("collapse norm=False", "collapse norm=True", "post", "finish kernel 16 partials",
+              "finish kernel 32 partials", "pre finish=kernel split=2"):
         assert built[n]["usage"]["STACK"] == 0, (n, built[n]["usage"])
     for n, b in built.items():
         # the kernels' only FMAs are their explicit sums of squares, ``tl.fma(x, x, acc)``

@@ -286,6 +286,49 @@ def test_finish_kernel_gives_the_last_arriver_bits(weight):
                 assert_equal(a, b, f"{name} output {i} {last}")
 
 
+@pytest.mark.parametrize("finish", ["last", "kernel"])
+def test_k_slices_split_in_two(finish):
+    """``split=2``: each K slice in two pieces of whole chunks, a partial each (hidden 1024: 2 chunks of 32
+    columns a slice). Same math as one piece up to the order of the fp32 sums: mixes within 1e-6 of float64,
+    x within 1 bf16 ulp of the unsplit x. With the same split everywhere the fused ops keep their identities
+    bitwise (pre = collapse + stats, boundary = post then pre), both finishes agree, rows do not depend on M."""
+    d = 1024
+    t = make_inputs(64, d, seed=2)  # an input where the split's norm sums round one x element differently
+    cfg = {op: dict(tk.default_config(op), split=2) for op in ("mhc_stats", "mhc_pre", "mhc_boundary", "mhc_collapse")}
+    for op in ("mhc_stats", "mhc_pre", "mhc_boundary"):
+        cfg[op]["finish"] = finish
+    mixes = tk.stats_mixes(t["h"], build_parts(t["fn"]), t["scale"], t["base"], ITERS, HC_EPS, NORM_EPS,
+                           config=cfg["mhc_stats"])
+    assert normwise(mixes, mixes64(t["h"], t["fn"])) <= 1e-6
+    pre2 = pre_op(t, config=cfg["mhc_pre"])
+    pre1 = pre_op(t, config=dict(tk.default_config("mhc_pre"), finish=finish))
+    torch.testing.assert_close(pre2[0].float(), pre1[0].float(), rtol=2.0**-7, atol=0)
+    for a, b in zip(pre2[1:], pre1[1:]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(pre2[0], pre1[0])  # so the collapse's split below is not vacuous
+    expect = (collapse_op(t, config=cfg["mhc_collapse"]), *stats(t, config=cfg["mhc_stats"]))
+    for name, a, b in zip(("x", "pre", "post", "comb"), pre2, expect):
+        assert_equal(a, b, f"split 2: pre {name} vs collapse + stats")
+    bnd = boundary_op(t, config=cfg["mhc_boundary"])
+    for a, b in zip(bnd[1:], pre_op(dict(t, h=bnd[0]), config=cfg["mhc_pre"])):
+        assert_equal(a, b, "split 2: boundary vs post then pre")
+    if finish == "last":
+        for a, b in zip(pre2, pre_op(t, config=dict(cfg["mhc_pre"], finish="kernel"))):
+            assert_equal(a, b, "split 2: finish last vs kernel")
+    alone = pre_op({k: (v[:1] if k in ("h", "pre_prev") else v) for k, v in t.items()}, config=cfg["mhc_pre"])
+    for a, b in zip(alone, pre2):
+        assert_equal(a, b[:1], "split 2: row 0 alone")
+
+
+def test_bad_split_is_rejected():
+    t = make_inputs(4, D, seed=1)  # hidden 64 (256 on a GPU): one chunk a K slice
+    for op, run in (("mhc_pre", pre_op), ("mhc_collapse", collapse_op)):
+        with pytest.raises(ValueError, match="split must be"):
+            run(t, config=dict(tk.default_config(op), split=2))
+    with pytest.raises(ValueError, match="split must be"):
+        pre_op(make_inputs(4, 1024, seed=1), config=dict(tk.default_config("mhc_pre"), split=5))
+
+
 def test_unknown_finish_is_rejected():
     t = make_inputs(4, D, seed=1)
     with pytest.raises(ValueError, match="finish must be"):

@@ -57,6 +57,7 @@ from .mhc_common import (  # noqa: F401  (the family's configs, re-exported)
     _normalize_rows,
     _round_bf16,
     _S,
+    check_split,
     default_config,
     unsupported,
 )
@@ -131,9 +132,11 @@ def mhc_post(y, res, post, comb, *, batch_invariant: bool, config: dict | None =
 def _collapse_kernel(
     h_ptr, pre_ptr, w_ptr, x_ptr, M, stride_h, stride_x, eps,
     D: tl.constexpr, BK: tl.constexpr, BLOCK_R: tl.constexpr, XB: tl.constexpr,
-    NORM: tl.constexpr, INTERP: tl.constexpr,
+    NORM: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
 ):
+    """The norm's sum of squares is summed per (K slice, piece) like the projection kernel's (SPLIT)."""
     DS: tl.constexpr = D // _S
+    CPP: tl.constexpr = DS // BK // SPLIT
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < M
     m2 = rmask[:, None]
@@ -142,10 +145,10 @@ def _collapse_kernel(
     p2 = tl.load(pre_ptr + rows * 4 + 2, mask=rmask, other=0.0)[:, None]
     p3 = tl.load(pre_ptr + rows * 4 + 3, mask=rmask, other=0.0)[:, None]
     sumsq = tl.zeros((BLOCK_R,), tl.float32)
-    for s in range(_S):
+    for q in range(_S * SPLIT):
         xsq = tl.zeros((BLOCK_R, BK), tl.float32)
-        for c in range(DS // BK):
-            cols = s * DS + c * BK + tl.arange(0, BK)
+        for c in range(CPP):
+            cols = q * (CPP * BK) + c * BK + tl.arange(0, BK)
             hb = h_ptr + rows[:, None] * stride_h + cols[None, :]
             h0 = tl.load(hb, mask=m2, other=0.0).to(tl.float32)
             h1 = tl.load(hb + D, mask=m2, other=0.0).to(tl.float32)
@@ -176,7 +179,8 @@ def mhc_collapse(h, pre, weight, eps: float, *, batch_invariant: bool, config: d
     _collapse_kernel[(triton.cdiv(m, cfg["BLOCK_R"]),)](
         h, pre, w, x, m, h.stride(0), x.stride(0), float(eps),
         D=d, BK=bk, BLOCK_R=cfg["BLOCK_R"], XB=_norm_block(d, cfg["BLOCK_R"]), NORM=weight is not None,
-        INTERP=INTERPRET, num_warps=cfg["num_warps"], **LAUNCH_OPTIONS,
+        SPLIT=check_split("mhc_collapse", cfg, d), INTERP=INTERPRET, num_warps=cfg["num_warps"],
+        **LAUNCH_OPTIONS,
     )
     return x
 

@@ -25,6 +25,7 @@ from .mhc_common import (
     _normalize_rows,
     _round_bf16,
     _softmax4,
+    check_split,
     default_config,
     unsupported,
 )
@@ -72,9 +73,10 @@ def _dot3(a, parts_ptr, krows, acc_hi, acc_mid, acc_lo, K: tl.constexpr, INTERP:
 @triton.jit
 def _finish_stats(
     ws_ptr, ss_ptr, slot0, rows, rmask, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, mix_ptr,
-    iters, hc_eps, norm_eps, K: tl.constexpr, BM: tl.constexpr, MIXES: tl.constexpr,
+    iters, hc_eps, norm_eps, K: tl.constexpr, BM: tl.constexpr, MIXES: tl.constexpr, NPART: tl.constexpr,
 ):
-    """Ordered slice sum, rsqrt, pre/post, softmax + Sinkhorn for one row block (all rows' partials are in)."""
+    """Ordered sum of the NPART partials (slice by slice), rsqrt, pre/post, softmax + Sinkhorn for one row
+    block (all rows' partials are in)."""
     r = tl.arange(0, BM)
     c4 = tl.arange(0, 4)
     t_pre = tl.zeros((BM, 4), tl.float32)
@@ -84,7 +86,7 @@ def _finish_stats(
     t_c2 = tl.zeros((BM, 4), tl.float32)
     t_c3 = tl.zeros((BM, 4), tl.float32)
     ss = tl.zeros((BM,), tl.float32)
-    for s in tl.static_range(_S):  # unrolled: every partial's loads can be in flight at once
+    for s in tl.static_range(NPART):  # unrolled: every partial's loads can be in flight at once
         p = ws_ptr + ((slot0 + s) * BM + r[:, None]) * _NMIX + c4[None, :]
         t_pre += tl.load(p, cache_modifier=".cg")
         t_post += tl.load(p + 4, cache_modifier=".cg")
@@ -149,19 +151,24 @@ def _proj_kernel(
     iters, hc_eps, norm_eps, eps,
     D: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, XB: tl.constexpr,
     BOUNDARY: tl.constexpr, COLLAPSE: tl.constexpr, NORM: tl.constexpr, MIXES: tl.constexpr,
-    FINISH: tl.constexpr, INTERP: tl.constexpr,
+    FINISH: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
 ):
-    """One (row block, K slice) per program; the last slice program of a row block to finish reduces it
-    (FINISH; otherwise ``_finish_kernel``, launched next, does).
+    """One (row block, K slice, piece) per program; the last program of a row block to finish reduces it
+    (FINISH; otherwise ``_finish_kernel``, launched next, does). SPLIT: each K slice is cut into SPLIT
+    pieces of whole chunks with a partial each (fewer instructions a program at decode sizes; the
+    partials are summed in (slice, piece) order, so SPLIT > 1 rounds differently from SPLIT = 1).
 
     BOUNDARY: h is ``post(y, res, post_in, comb_in)``, computed here and written once to new_ptr.
     COLLAPSE: also ``x = bf16(sum_j pre_prev_j h_j)`` (NORM: then RMSNorm of x, finished in place).
     """
     DS: tl.constexpr = D // _S
     K: tl.constexpr = 4 * D
+    NPART: tl.constexpr = _S * SPLIT
+    CPP: tl.constexpr = DS // BK // SPLIT  # chunks a piece
     pid = tl.program_id(0).to(tl.int64)
-    rb = pid // _S
-    s = pid % _S
+    rb = pid // NPART
+    s = pid % NPART // SPLIT
+    piece = pid % SPLIT
     r = tl.arange(0, BM)
     rows = rb * BM + r
     rmask = rows < M
@@ -177,8 +184,8 @@ def _proj_kernel(
         p1 = tl.load(pre_prev_ptr + rows * 4 + 1, mask=rmask, other=0.0)[:, None]
         p2 = tl.load(pre_prev_ptr + rows * 4 + 2, mask=rmask, other=0.0)[:, None]
         p3 = tl.load(pre_prev_ptr + rows * 4 + 3, mask=rmask, other=0.0)[:, None]
-    for c in range(DS // BK):
-        cols = s * DS + c * BK + tl.arange(0, BK)
+    for c in range(CPP):
+        cols = s * DS + (piece * CPP + c) * BK + tl.arange(0, BK)
         hb = h_ptr + rr * stride_h + cols[None, :]
         if BOUNDARY:
             yv = tl.load(y_ptr + rr * stride_y + cols[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -227,16 +234,16 @@ def _proj_kernel(
         tl.store(xss_ptr + pid * BM + r, pairwise_row_sum(xsq, BM, BK))
     if not FINISH:
         return
-    # the 16th slice program of this row block to get here reduces it (all 16 partials are then visible)
+    # the last program of this row block to get here reduces it (all its partials are then visible)
     tl.debug_barrier()
     arrived = tl.atomic_add(count_ptr + rb, 1, sem="acq_rel", scope="gpu")
-    if arrived == _S - 1:
-        slot0 = rb * _S
+    if arrived == NPART - 1:
+        slot0 = rb * NPART
         _finish_stats(ws_ptr, ss_ptr, slot0, rows, rmask, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
-                      mix_ptr, iters, hc_eps, norm_eps, K, BM, MIXES)
+                      mix_ptr, iters, hc_eps, norm_eps, K, BM, MIXES, NPART)
         if NORM:
             xs = tl.zeros((BM,), tl.float32)
-            for s2 in tl.static_range(_S):
+            for s2 in tl.static_range(NPART):
                 xs += tl.load(xss_ptr + (slot0 + s2) * BM + r, cache_modifier=".cg")
             _normalize_rows(x_ptr, w_ptr, rows, rmask, stride_x, xs, eps, D, XB, ".cg", INTERP)
 
@@ -246,7 +253,7 @@ def _finish_kernel(
     x_ptr, w_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, mix_ptr, ws_ptr, ss_ptr, xss_ptr,
     M, stride_x, iters, hc_eps, norm_eps, eps,
     D: tl.constexpr, BM: tl.constexpr, XB: tl.constexpr, NC: tl.constexpr, NORM: tl.constexpr,
-    MIXES: tl.constexpr, PARTS: tl.constexpr, INTERP: tl.constexpr,
+    MIXES: tl.constexpr, NPART: tl.constexpr, PARTS: tl.constexpr, INTERP: tl.constexpr,
 ):
     """The reduction of ``_proj_kernel`` (FINISH=False) as its own launch: program (row block, part < PARTS)
     normalizes NC * XB columns of x, and the row block's last program (part = PARTS) finishes the
@@ -257,13 +264,13 @@ def _finish_kernel(
     r = tl.arange(0, BM)
     rows = rb * BM + r
     rmask = rows < M
-    slot0 = rb * _S
+    slot0 = rb * NPART
     if part == PARTS:
         _finish_stats(ws_ptr, ss_ptr, slot0, rows, rmask, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
-                      mix_ptr, iters, hc_eps, norm_eps, 4 * D, BM, MIXES)
+                      mix_ptr, iters, hc_eps, norm_eps, 4 * D, BM, MIXES, NPART)
     elif NORM:
         xs = tl.zeros((BM,), tl.float32)
-        for s2 in tl.static_range(_S):
+        for s2 in tl.static_range(NPART):
             xs += tl.load(xss_ptr + (slot0 + s2) * BM + r)
         _normalize_cols(x_ptr, w_ptr, rows, rmask, stride_x, xs, eps, part * NC * XB, NC, D, XB, "", INTERP)
 
@@ -312,8 +319,10 @@ def _launch_proj(
     cfg = config or tactic(op, m, dict(d=d, n=n), default_config(op), batch_invariant=batch_invariant)
     bm = cfg["BLOCK_M"]
     nblocks = triton.cdiv(m, bm)
-    ws = torch.empty(nblocks * NUM_SLICES * bm * NMIX, **f32)
-    ss = torch.empty(nblocks * NUM_SLICES * bm, **f32)
+    split = check_split(op, cfg, d)
+    npart = NUM_SLICES * split
+    ws = torch.empty(nblocks * npart * bm * NMIX, **f32)
+    ss = torch.empty(nblocks * npart * bm, **f32)
     norm = collapse and weight is not None
     xss = torch.empty_like(ss) if norm else ss
     # finish: "last" = the last slice program of a row block reduces it (arrival counters);
@@ -327,7 +336,7 @@ def _launch_proj(
     dummy = out["pre"]
     new_res = out.get("new_res", dummy)
     x = out.get("x", dummy)
-    _proj_kernel[(nblocks * NUM_SLICES,)](
+    _proj_kernel[(nblocks * npart,)](
         h, y if boundary else dummy, post_in.contiguous() if boundary else dummy,
         comb_in.contiguous() if boundary else dummy, new_res,
         pre_prev.contiguous() if collapse else dummy, x, weight.contiguous() if norm else dummy,
@@ -338,7 +347,8 @@ def _launch_proj(
         x.stride(0) if collapse else 0,
         int(iters), float(hc_eps), float(norm_eps), float(eps),
         D=d, BK=bk, BM=bm, XB=_norm_block(d, bm), BOUNDARY=boundary, COLLAPSE=collapse, NORM=norm, MIXES=mixes,
-        FINISH=finish_last, INTERP=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
+        FINISH=finish_last, SPLIT=split, INTERP=INTERPRET, num_warps=cfg["num_warps"],
+        num_stages=cfg.get("num_stages", 3),
         **LAUNCH_OPTIONS,
     )
     if finish == "kernel":
@@ -349,7 +359,7 @@ def _launch_proj(
             x, weight.contiguous() if norm else dummy, scale.contiguous(), base.contiguous(),
             out["pre"], out["post"], out["comb"], out.get("mixes", dummy), ws, ss, xss,
             m, x.stride(0) if collapse else 0, int(iters), float(hc_eps), float(norm_eps), float(eps),
-            D=d, BM=bm, XB=xb, NC=d // xb // max(parts_n, 1), NORM=norm, MIXES=mixes, PARTS=parts_n,
+            D=d, BM=bm, XB=xb, NC=d // xb // max(parts_n, 1), NORM=norm, MIXES=mixes, NPART=npart, PARTS=parts_n,
             INTERP=INTERPRET, num_warps=4, **LAUNCH_OPTIONS,
         )
     return out
