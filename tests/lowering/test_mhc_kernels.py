@@ -455,6 +455,30 @@ def test_gpu_flash_numerics(m):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 7, 200])
+def test_gpu_flash_split_in_two(m):
+    """The ``split=2`` set at Flash shapes (decode sizes): mixes within 1e-6 of float64, pre/post/comb as
+    the float64 rule allows, and the fused ops' identities bitwise (pre = collapse + stats, boundary = post
+    then pre)."""
+    t = make_inputs(m, FLASH_D, seed=m, device="cuda")
+    cfg = {op: dict(tk.DEFAULTS[op], split=2) for op in ("mhc_stats", "mhc_pre", "mhc_boundary", "mhc_collapse")}
+    mixes = tk.stats_mixes(t["h"], build_parts(t["fn"]), t["scale"], t["base"], ITERS, HC_EPS, NORM_EPS,
+                           config=cfg["mhc_stats"])
+    m64 = mixes64(t["h"], t["fn"])
+    assert normwise(mixes, m64) <= 1e-6
+    st = stats(t, bi=False, config=cfg["mhc_stats"])
+    for out, r in zip(st, split64(m64, t["scale"], t["base"])):
+        torch.testing.assert_close(out.double(), r, rtol=2e-5, atol=2e-6)
+    x = collapse_op(t, bi=False, config=cfg["mhc_collapse"])
+    for name, a, b in zip(("x", "pre", "post", "comb"), pre_op(t, bi=False, config=cfg["mhc_pre"]), (x, *st)):
+        assert_equal(a, b, f"split 2: pre {name}")
+    bnd = boundary_op(t, bi=False, config=cfg["mhc_boundary"])
+    assert_equal(bnd[0], post_op(t, bi=False), "split 2: boundary new_res")
+    for a, b in zip(bnd[1:], pre_op(dict(t, h=bnd[0]), bi=False, config=cfg["mhc_pre"])):
+        assert_equal(a, b, "split 2: boundary pre")
+
+
+@pytest.mark.gpu
 def test_gpu_flash_batch_invariance():
     n = 65536
     t = make_inputs(n, FLASH_D, seed=1, device="cuda")
