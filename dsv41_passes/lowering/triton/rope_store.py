@@ -320,14 +320,16 @@ def _halves(y, BLOCK_T: tl.constexpr, N: tl.constexpr, HB: tl.constexpr):
 @triton.jit
 def _quant_store(y0, y1, t, tok_ok, slot, out_ptr, cache_ptr, S, stride_om, stride_cache,
                  C0: tl.constexpr, N: tl.constexpr, HB: tl.constexpr, D: tl.constexpr,
-                 STORE: tl.constexpr, HW: tl.constexpr):
+                 STORE: tl.constexpr, HW: tl.constexpr, TAIL: tl.constexpr):
     """FP8 round trip of the bf16 values ``y0``/``y1`` ``[BLOCK_T, N, HB]`` (words ``C0 ..``) and their
-    stores. The scaled values are at most 448 in magnitude (see ``_fp8_qdq_pairs``), so only the lower
-    clamp is applied: it is what maps a NaN to -448, as the two-sided clamp does."""
+    stores. The packing into bf16 is exact: the FP8 results have at most 4 significant bits. TAIL: the
+    scaled values are at most 448 in magnitude (see ``_fp8_qdq_pairs``), so only the lower clamp is
+    applied (it is what maps a NaN to -448, as the two-sided clamp does), and with HW the pair is
+    packed by one conversion."""
     col = C0 + tl.arange(0, N)[:, None] * HB + tl.arange(0, HB)[None, :]
     col_ok = col < D // 2
-    q0, q1 = _fp8_qdq_pairs(y0, y1, HW, False)
-    if HW:  # exact: the FP8 results have at most 4 significant bits
+    q0, q1 = _fp8_qdq_pairs(y0, y1, HW, not TAIL)
+    if HW and TAIL:
         out = _cvt_bf16x2(q0, q1).to(tl.int32, bitcast=True)
     else:
         out = _pack_bf16x2(q0, q1, HW).to(tl.int32, bitcast=True)
@@ -406,26 +408,22 @@ def _kv_rope_quant_kernel(
             y0_head, y0 = _halves(y0, BLOCK_T, NB >> i, HB)
             y1_head, y1 = _halves(y1, BLOCK_T, NB >> i, HB)
             _quant_store(y0_head, y1_head, t, tok_ok, slot, out_ptr, cache_ptr, S, stride_om, stride_cache,
-                         (NB - (NB >> i)) * HB, NB >> (i + 1), HB, D, STORE, HW)
+                         (NB - (NB >> i)) * HB, NB >> (i + 1), HB, D, STORE, HW, True)
         if PAIR0 == R0:  # every word of the piece rotates (padding past D/2 is zeros): no select
             y0, y1 = y0 * c - y1 * s, y0 * s + y1 * c
         else:
             y0, y1 = _rotate(y0, y1, c, s, rot)
         y0, y1 = _round_bf16_pair(y0, y1, HW)
         _quant_store(y0, y1, t, tok_ok, slot, out_ptr, cache_ptr, S, stride_om, stride_cache,
-                     R0, NR, HB, D, STORE, HW)
+                     R0, NR, HB, D, STORE, HW, True)
     else:
         y0 = _round_bf16(g0 * (x0 * rstd), HW)
         y1 = _round_bf16(g1 * (x1 * rstd), HW)
         # RoPE on the last rd dims (pairs never straddle a quant block: BLOCK is even), bf16 rounding
         y0, y1 = _rotate(y0, y1, c, s, rot)
-        # FP8 round trip; padded columns are zeros and never raise a block's amax. The results have
-        # at most 4 significant bits, so packing them into bf16 is exact.
-        q0, q1 = _fp8_qdq_pairs(_round_bf16(y0, HW), _round_bf16(y1, HW), HW)
-        out = _pack_bf16x2(q0, q1, HW).to(tl.int32, bitcast=True)
-        tl.store(out_ptr + t[:, None, None] * stride_om + col[None, :, :], out, mask=mask)
-        if STORE:
-            _store_rows(cache_ptr, slot, tok_ok, col, col_ok, out, S, stride_cache)
+        # FP8 round trip (padded columns are zeros and never raise a block's amax) and the stores
+        _quant_store(_round_bf16(y0, HW), _round_bf16(y1, HW), t, tok_ok, slot, out_ptr, cache_ptr, S, stride_om,
+                     stride_cache, 0, NB, HB, D, STORE, HW, False)
 
 
 def kv_tail_halvings(d: int, rd: int, block: int, block_t: int, num_warps: int) -> int:
