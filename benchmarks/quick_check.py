@@ -83,20 +83,16 @@ def kv(m: int) -> None:
     row("kv", f"roofline M={m}", "", roof)
     configs = [rk.KV_DEFAULT, *(c for c in rk.CANDIDATES["kv_rope_quant_store"]
                                 if c["num_warps"] >= 2 and c["BLOCK_T"] in (4, 8) and not c.get("tail"))]
+    def run(cfg):
+        return rk.kv_rope_quant(kv_in, w, 1e-6, cos, sin, block, cache, slots, batch_invariant=False, config=cfg)
+
     # the layout-independent sum of squares: same bits in every config (compared with the first)
     tree = [dict(c, sum="tree") for c in (rk.KV_DEFAULT, dict(BLOCK_T=8, num_warps=4))]
-    time_configs("kv", m, roof, _names(tree),
-                 lambda cfg: rk.kv_rope_quant(kv_in, w, 1e-6, cos, sin, block, cache, slots, batch_invariant=False,
-                                              config=cfg))
-    time_configs("kv", m, roof, _names(configs),
-                 lambda cfg: rk.kv_rope_quant(kv_in, w, 1e-6, cos, sin, block, cache, slots, batch_invariant=False,
-                                              config=cfg), base)
+    time_configs("kv", m, roof, _names(tree), run)
+    time_configs("kv", m, roof, _names(configs), run, base)
     # the tail option: the same bits as the same config without it
     for cfg in (dict(BLOCK_T=4, num_warps=4), dict(BLOCK_T=8, num_warps=4), dict(BLOCK_T=4, num_warps=2),
                 dict(BLOCK_T=2, num_warps=2), dict(BLOCK_T=2, num_warps=4), dict(BLOCK_T=1, num_warps=2)):
-        def run(c):
-            return rk.kv_rope_quant(kv_in, w, 1e-6, cos, sin, block, cache, slots, batch_invariant=False, config=c)
-
         time_configs("kv", m, roof, _names([dict(cfg, tail=True)]), run, run(cfg))
 
 
