@@ -96,5 +96,8 @@ def test_fullgraph_compile_dynamic_tokens():
             out = cm(ids, pos, cu)
             model.reset_cache()
             ref = model(ids, pos, cu)
-            torch.testing.assert_close(out, ref, rtol=0, atol=0)  # emulated casts: same bits as eager
+            # emulated casts round like eager, but Inductor may order an fp32 sum differently (seen for
+            # one token of [7, 12] on an AVX-512 machine, 2026-12-01): one bf16 rounding of the largest logit
+            assert (out != ref).any(-1).float().mean().item() <= 0.1, "more than a tenth of the tokens differ"
+            torch.testing.assert_close(out, ref, rtol=0, atol=2.0**-8 * ref.abs().max().item())
     assert counters["stats"]["unique_graphs"] == 1  # no graph break, no recompile
