@@ -37,7 +37,12 @@ def launches(m: int) -> dict:
     cache = torch.zeros(2 * m, 512, dtype=torch.bfloat16, device="cuda")
     o = torch.randn(m, 16, 512, device="cuda", generator=g).bfloat16()
     wa = (torch.randn(2048, 4096, device="cuda", generator=g) / 64).bfloat16()
+    from dsv41_passes.lowering.mhc_weights import slice_major
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+
+    sliced = slice_major(t["parts"], 5120, 24)
     return {
+        "mhc_pre_tilelang": lambda: tlp.partials(t["h"], t["pre_prev"], sliced, t["w"], 1e-6),
         "mhc_pre": lambda: tm.mhc_pre(t["h"], t["pre_prev"], t["parts"], t["scale"], t["base"], t["w"], 20, 1e-6,
                                       1e-6, 1e-6, batch_invariant=False),
         "mhc_post": lambda: tm.mhc_post(t["y"], t["h"], t["post"], t["comb"], batch_invariant=False),

@@ -125,6 +125,7 @@ def mhc(m: int) -> None:
                                         batch_invariant=False, config=cfg))
     ms = time_ms(lambda: tk.mhc_stats(h, parts, scale, base, 20, 1e-6, 1e-6, batch_invariant=False))
     row("mhc_pre", f"M={m} stats alone (default)", "", ms)
+    tilelang_pre(m, t, roof)
     broof = m * d * 2 * (4 + 1 + 4 + 1) / BANDWIDTH * 1e3
     row("boundary", f"roofline M={m}", "", broof)
     d0 = tk.DEFAULTS["mhc_boundary"]
@@ -141,6 +142,36 @@ def mhc(m: int) -> None:
 
     ms = time_ms(post_then_pre)
     row("boundary", f"M={m} post + mhc_pre", "", ms, f"{100 * broof / ms:.0f}%")
+
+
+def tilelang_pre(m: int, t: dict, roof: float) -> None:
+    """The persistent TileLang mhc_pre per config: bits against the Triton kernel's, then the time of the
+    whole op and of the persistent kernel alone (without the Triton finish kernel)."""
+    from dsv41_passes.lowering import registry
+    from dsv41_passes.lowering.mhc_weights import slice_major
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+    from dsv41_passes.lowering.triton import mhc as tk
+
+    if registry.tilelang_available(t["h"]):
+        row("mhc_pre", f"M={m} tilelang persistent", registry.tilelang_available(t["h"]), None)
+        return
+    h, parts, scale, base, pre_prev, w = (t[k] for k in ("h", "parts", "scale", "base", "pre_prev", "w"))
+    sliced = slice_major(parts, 5120, 24)
+    ref = tk.mhc_pre(h, pre_prev, parts, scale, base, w, 20, 1e-6, 1e-6, 1e-6, batch_invariant=False)
+    for name, cfg in tlp.CONFIGS.items():
+        def run(cfg=cfg):
+            return tlp.mhc_pre(h, pre_prev, sliced, scale, base, w, 20, 1e-6, 1e-6, 1e-6, config=cfg)
+
+        out = run()
+        same = [bool(torch.equal(a, b)) for a, b in zip(out, ref)]
+        xdiff = (out[0].float() - ref[0].float()).abs().max().item()
+        pdiff = max((a - b).abs().max().item() for a, b in zip(out[1:], ref[1:]))
+        check = f"same bits x/pre/post/comb {''.join('1' if v else '0' for v in same)}"
+        ms = time_ms(run)
+        row("mhc_pre", f"M={m} tilelang persistent {name}", check, ms,
+            f"{100 * roof / ms:.0f}% (max |dx| {xdiff:.1e}, |dstats| {pdiff:.1e})")
+        ms = time_ms(lambda cfg=cfg: tlp.partials(h, pre_prev, sliced, w, 1e-6, config=cfg))
+        row("mhc_pre", f"M={m} tilelang persistent {name}, kernel alone", "", ms, f"{100 * roof / ms:.0f}%")
 
 
 def wo_a(m: int) -> None:

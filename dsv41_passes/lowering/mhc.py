@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..reference import mhc as ref
@@ -305,6 +307,46 @@ def _tilelang_stats(h, fn, scale, base, iters, hc_eps, norm_eps, *, batch_invari
 
     parts = _parts(fn, mode)
     return tlk.mhc_stats(h, parts, scale, base, iters, hc_eps, norm_eps, batch_invariant=batch_invariant)
+
+
+# The persistent TileLang mhc_pre (prefill sizes) runs from this token count up, outside batch-invariant
+# mode; None (the default) keeps it off: it gives the Triton kernel's bits but measured slower at every M
+# on the H200 (run 43, the whole op: 1.85 vs 1.63 ms at M = 65536, 0.530 vs 0.420 at 16384, 0.145 vs 0.119 at
+# 4096; benchmarks/results/run43-probe_mhc_pre_tilelang.log).
+# DSV41_MHC_PRE_TILELANG_MIN_M sets it from the environment.
+_ENV_MIN_M = os.environ.get("DSV41_MHC_PRE_TILELANG_MIN_M")
+TILELANG_PRE_MIN_M: int | None = int(_ENV_MIN_M) if _ENV_MIN_M else None
+
+
+def _tilelang_pre_ok(h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, *, batch_invariant):
+    from .registry import tilelang_available
+
+    why = tilelang_available(h)
+    if why:
+        return why
+    if TILELANG_PRE_MIN_M is None:
+        return "off by default (slower than the Triton kernel on the H200; TILELANG_PRE_MIN_M enables it)"
+    if batch_invariant:
+        return "batch-invariant mode runs one kernel at every M (the Triton one)"
+    if h.shape[0] < TILELANG_PRE_MIN_M:
+        return f"M = {h.shape[0]} < {TILELANG_PRE_MIN_M} (decode sizes run the Triton kernel)"
+    if weight is None or weight.dtype != torch.float32:
+        return "needs the float32 RMSNorm weight"
+    if pre_prev.dtype != torch.float32:
+        return f"pre_prev dtype {pre_prev.dtype}"
+    from .tilelang import mhc_pre as tlp
+
+    return tlp.unsupported(h)
+
+
+@register_provider("mhc_pre", "tilelang", _tilelang_pre_ok, wants_mode=True)
+def _tilelang_pre(h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, *, batch_invariant, mode):
+    from .mhc_weights import bf16x3_slice_parts
+    from .registry import static_weights
+    from .tilelang import mhc_pre as tlp
+
+    sliced = bf16x3_slice_parts(fn, h.shape[2], static=static_weights(mode))
+    return tlp.mhc_pre(h, pre_prev, sliced, scale, base, weight, iters, hc_eps, norm_eps, eps)
 
 
 # ---------------------------------------------------------------------------

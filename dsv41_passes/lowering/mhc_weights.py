@@ -83,7 +83,8 @@ class _Entry:
     parts: torch.Tensor
 
 
-_LOCK = threading.Lock()
+# re-entrant: dropping a parts tensor under the lock runs the weakref callback of its slice-major copy
+_LOCK = threading.RLock()
 _CACHE: dict[tuple[Any, ...], _Entry] = {}
 _STATS = {"builds": 0}
 _WARNED_INFERENCE = [False]
@@ -143,13 +144,53 @@ def bf16x3_parts(fn: torch.Tensor, *, static: bool = False, np_cols: int = NP_DE
     return parts
 
 
+def slice_major(parts: torch.Tensor, d: int, nmix: int) -> torch.Tensor:
+    """``[3, 4 * d, NP]`` parts -> ``[3, 16, 4, nmix, d / 16]`` (part, K slice, stream, mix column, slice
+    column): each K slice's parts contiguous, K-major rows of the mix columns, no padding columns."""
+    p, k, np_cols = parts.shape
+    n = k // d
+    if p != 3 or k != n * d or d % NUM_SLICES or nmix > np_cols:
+        raise ValueError(f"slice_major: parts {tuple(parts.shape)} do not fit hidden {d} and {nmix} mix columns")
+    v = parts.view(3, n, NUM_SLICES, d // NUM_SLICES, np_cols)[..., :nmix]  # [p, stream, slice, col, n]
+    return v.permute(0, 2, 1, 4, 3).contiguous()
+
+
+_SLICED: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+
+def bf16x3_slice_parts(fn: torch.Tensor, d: int, *, static: bool = False) -> torch.Tensor:
+    """``slice_major`` of the cached parts of ``fn``: built once per parts tensor (so it follows the same
+    version checks), dropped with it."""
+    parts = bf16x3_parts(fn, static=static)
+    key = id(parts)
+    with _LOCK:
+        e = _SLICED.get(key)
+        if e is not None and e[0]() is parts:
+            return e[1]
+    sliced = slice_major(parts, d, fn.shape[0])
+    ref = weakref.ref(parts, lambda r, k=key: _drop_sliced(k, r))
+    with _LOCK:
+        _SLICED[key] = (ref, sliced)
+    return sliced
+
+
+def _drop_sliced(key: int, ref: weakref.ref) -> None:
+    with _LOCK:
+        e = _SLICED.get(key)
+        if e is not None and e[0] is ref:
+            del _SLICED[key]
+
+
 def cache_info() -> dict[str, int]:
-    """Entries and bytes held by the derived-weight cache, and parts built so far in this process."""
+    """Entries and bytes held by the derived-weight cache (parts and their slice-major copies), and parts
+    built so far in this process."""
     with _LOCK:
         live = [e for e in _CACHE.values() if e.ref() is not None]
+        sliced = [t for r, t in _SLICED.values() if r() is not None]
         return {
             "entries": len(live),
-            "bytes": sum(e.parts.numel() * e.parts.element_size() for e in live),
+            "bytes": sum(e.parts.numel() * e.parts.element_size() for e in live)
+            + sum(t.numel() * t.element_size() for t in sliced),
             "builds": _STATS["builds"],
         }
 
@@ -158,3 +199,4 @@ def clear_cache() -> None:
     """Forget every derived weight (the next call rebuilds; also lifts a static-weights rejection)."""
     with _LOCK:
         _CACHE.clear()
+        _SLICED.clear()

@@ -165,8 +165,10 @@ def _normalize_rows(x_ptr, w_ptr, rows, rmask, stride_x, sumsq, eps,
 @triton.jit
 def _normalize_cols(x_ptr, w_ptr, rows, rmask, stride_x, sumsq, eps, c0,
                     NC: tl.constexpr, D: tl.constexpr, XB: tl.constexpr, CACHE: tl.constexpr, INTERP: tl.constexpr):
-    """``_normalize_rows`` on the columns ``[c0, c0 + NC * XB)`` only."""
-    rstd = (1.0 / tl.sqrt_rn(sumsq / D + eps))[:, None]
+    """``_normalize_rows`` on the columns ``[c0, c0 + NC * XB)`` only. Both divisions round to nearest
+    (``div_rn``; a plain ``/`` is ``div.full``/``div.approx`` on the GPU, which Triton versions lower
+    differently), so the TileLang ``mhc_pre`` can give the same bits."""
+    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(sumsq, D * 1.0) + eps))[:, None]
     for c in range(NC):
         cols = c0 + c * XB + tl.arange(0, XB)
         ptrs = x_ptr + rows[:, None] * stride_x + cols[None, :]

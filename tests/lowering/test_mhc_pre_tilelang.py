@@ -1,0 +1,195 @@
+"""The persistent TileLang ``mhc_pre`` (prefill sizes): its weight layout and provider rules on CPU, its
+sm_90a build (nvcc, no GPU), and on an H200 its bits against the Triton kernel and its numerics against
+float64 at V4.1-Flash shapes."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv41_passes.lowering import registry
+from dsv41_passes.lowering.mhc_weights import bf16x3_slice_parts, build_parts, cache_info, clear_cache, slice_major
+
+FLASH_D = 5120
+ITERS, HC_EPS, NORM_EPS, EPS = 20, 1e-6, 1e-6, 1e-6
+
+
+# ----------------------------------------------------------------------------- CPU
+def test_slice_major_layout():
+    d = 64
+    fn = torch.randn(24, 4 * d)
+    parts = build_parts(fn)
+    sl = slice_major(parts, d, 24)
+    assert sl.shape == (3, 16, 4, 24, d // 16) and sl.is_contiguous()
+    ds = d // 16
+    for p, s, k, n, c in [(0, 0, 0, 0, 0), (1, 3, 2, 17, 1), (2, 15, 3, 23, ds - 1), (0, 7, 1, 5, 2)]:
+        assert sl[p, s, k, n, c] == parts[p, k * d + s * ds + c, n]
+    # the three parts still add up to the fp32 weight, slice by slice
+    total = sl[0].float() + sl[1].float() + sl[2].float()  # [16, 4, 24, ds]
+    assert torch.equal(total.permute(2, 1, 0, 3).reshape(24, 4 * d), fn)
+    with pytest.raises(ValueError, match="do not fit"):
+        slice_major(parts, d + 16, 24)
+
+
+def test_slice_parts_follow_weight_updates():
+    clear_cache()
+    fn = torch.randn(24, 4 * 64)
+    a = bf16x3_slice_parts(fn, 64)
+    assert bf16x3_slice_parts(fn, 64) is a
+    info = cache_info()
+    parts = build_parts(fn)
+    assert info["bytes"] == parts.numel() * parts.element_size() + a.numel() * a.element_size()
+    with torch.no_grad():
+        fn.mul_(2)
+    b = bf16x3_slice_parts(fn, 64)
+    assert b is not a and torch.equal(b[0].float(), 2 * a[0].float())
+    with torch.no_grad():
+        fn.add_(1)
+    with pytest.raises(RuntimeError, match="static_weights"):
+        bf16x3_slice_parts(fn, 64, static=True)
+    clear_cache()
+
+
+def test_provider_declines_where_it_cannot_run():
+    from dsv41_passes.lowering import mhc as ops
+
+    m = 8
+    h = torch.randn(m, 4, 64).bfloat16()
+    args = (h, torch.rand(m, 4), torch.randn(24, 256), torch.ones(3), torch.zeros(24), torch.ones(64), ITERS, HC_EPS,
+            NORM_EPS, EPS)
+    why = ops._tilelang_pre_ok(*args, batch_invariant=False)
+    assert why and "CUDA" in why
+    p, reasons = registry.choose("mhc_pre", "tilelang,reference", False, *args)
+    assert p.name == "reference" and any(r.startswith("tilelang:") for r in reasons)
+
+
+def test_kernel_rejects_what_it_cannot_run():
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+
+    assert "dtype" in tlp.unsupported(torch.zeros(2, 4, 5120))
+    assert "hc_mult" in tlp.unsupported(torch.zeros(2, 2, 5120, dtype=torch.bfloat16))
+    assert "32-column chunks" in tlp.unsupported(torch.zeros(2, 4, 256, dtype=torch.bfloat16))
+    assert tlp.unsupported(torch.zeros(2, 4, 5120, dtype=torch.bfloat16)) is None
+    assert tlp.groups_for(132) == 8 and tlp.groups_for(114) == 7 and tlp.groups_for(8) == 1
+
+
+@pytest.mark.parametrize("name", ["wg1", "wg2"])
+def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
+    """The sm_90a build: one wgmma shape (m64n24k16, the 24 mix columns unpadded), rounding spelled out
+    (no contraction: nvcc --fmad=false and explicit __f*_rn), the residual loads by TMA with the
+    evict-first hint, no register spills, and the shared memory within the 227 KiB an SM gives a block."""
+    pytest.importorskip("tilelang")
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not installed: TileLang cannot build the sm_90a cubin")
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+
+    cfg = tlp.CONFIGS[name]
+    k = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, cfg["stages"], cfg["wgs"]))
+    src = k.get_kernel_source()
+    shapes = set(re.findall(r"wgmma_ss<[^>]*kFloat32, (\d+), (\d+), (\d+),", src))
+    assert shapes == {("64", "24", "16")}, shapes
+    assert src.count("wgmma_ss<") == 12  # 4 streams x (hi, mid, lo) a step
+    assert "tma_load<tl::CacheHintSm90::EVICT_FIRST>(h_desc" in src
+    assert "__fmaf_rn" in src and "__fdiv_rn" in src and "__fsqrt_rn" in src
+    offsets = [int(v) for v in re.findall(r"buf_dyn_shmem \+ (\d+)\)", src)]
+    assert max(offsets) < 227 * 1024
+    cubins = list(Path(tmp_path).rglob("*.cubin"))
+    tool = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if cubins and tool.exists():
+        out = subprocess.run([str(tool), "--dump-resource-usage", str(cubins[0])], capture_output=True, text=True)
+        usage = dict(re.findall(r"\b(REG|STACK):(\d+)", out.stdout))
+        assert usage and int(usage["STACK"]) == 0 and int(usage["REG"]) <= 255, usage
+
+
+# ----------------------------------------------------------------------------- H200
+def _inputs(m: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    k = 4 * FLASH_D
+    kw = dict(generator=g, device="cuda")
+    return dict(
+        h=torch.randn(m, 4, FLASH_D, **kw).bfloat16(),
+        fn=torch.randn(24, k, **kw) / k**0.5,
+        scale=torch.rand(3, **kw) + 0.5,
+        base=torch.randn(24, **kw) * 0.5,
+        pre_prev=torch.rand(m, 4, **kw) + 0.1,
+        w=torch.rand(FLASH_D, **kw) + 0.5,
+    )
+
+
+def _skip_without_tilelang():
+    why = registry.tilelang_available(torch.empty(0, device="cuda"))
+    if why:
+        pytest.skip(why)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["wg1", "wg2"])
+@pytest.mark.parametrize("m", [1, 4096, 4097, 65536])
+def test_gpu_matches_the_triton_kernel(m, name):
+    """x, pre, post and comb against the Triton mhc_pre; bitwise is the goal (same numerics, n24 instead
+    of n32 wgmma); the float64 bounds hold either way (stats: rtol 2e-5 / atol 2e-6, x: 1 bf16 ulp)."""
+    _skip_without_tilelang()
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+    from dsv41_passes.lowering.triton import mhc as tk
+
+    from .test_mhc_kernels import _chunked, assert_ulps, mixes64, norm64, normwise, split64
+
+    t = _inputs(m, seed=m)
+    parts = build_parts(t["fn"])
+    sliced = slice_major(parts, FLASH_D, 24)
+    args = (t["scale"], t["base"], t["w"], ITERS, HC_EPS, NORM_EPS, EPS)
+    x, pre, post, comb, mixes = tlp.mhc_pre(t["h"], t["pre_prev"], sliced, *args, config=tlp.CONFIGS[name],
+                                            mixes=True)
+    m64 = _chunked(lambda s: mixes64(t["h"][s], t["fn"]), m)
+    assert normwise(mixes, m64) <= 1e-6
+    for out, r in zip((pre, post, comb), split64(m64, t["scale"], t["base"])):
+        torch.testing.assert_close(out.double(), r, rtol=2e-5, atol=2e-6)
+    xc = tk.mhc_collapse(t["h"], t["pre_prev"], None, EPS, batch_invariant=True)
+    assert_ulps(x, _chunked(lambda s: norm64(xc[s], t["w"]), m))
+    # the Triton kernel with its fixed default (split 1: at decode sizes its untuned config splits K slices)
+    ref = tk.mhc_pre(t["h"], t["pre_prev"], parts, *args, batch_invariant=False, config=tk.default_config("mhc_pre"))
+    for what, a, b in zip(("x", "pre", "post", "comb"), (x, pre, post, comb), ref):
+        assert torch.equal(a, b), f"{what}: {(a != b).sum().item()} of {a.numel()} differ"
+
+
+@pytest.mark.gpu
+def test_gpu_one_binary_for_every_m_and_rows_independent():
+    """One compiled kernel per config for every token count; a row's result never depends on M."""
+    _skip_without_tilelang()
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+
+    n = 20000
+    t = _inputs(n, seed=3)
+    sliced = slice_major(build_parts(t["fn"]), FLASH_D, 24)
+    args = (t["scale"], t["base"], t["w"], ITERS, HC_EPS, NORM_EPS, EPS)
+    full = tlp.mhc_pre(t["h"], t["pre_prev"], sliced, *args)
+    before = len(tlp._KERNELS)
+    for i, mm in ((0, 1), (5, 63), (64, 65), (9999, 4097), (n - 129, 129)):
+        part = tlp.mhc_pre(t["h"][i:i + mm], t["pre_prev"][i:i + mm], sliced, *args)
+        for a, b in zip(full, part):
+            assert torch.equal(a[i:i + mm], b), (i, mm)
+    assert len(tlp._KERNELS) == before
+
+
+def test_provider_is_off_by_default(monkeypatch):
+    """Slower than the Triton kernel on the H200: the op keeps it off unless TILELANG_PRE_MIN_M is set."""
+    from dsv41_passes.lowering import mhc as ops
+
+    monkeypatch.setattr(registry, "tilelang_available", lambda t: None)
+    m = 8192
+    h = torch.empty(m, 4, FLASH_D, dtype=torch.bfloat16, device="meta")
+    args = (h, torch.empty(m, 4, device="meta"), torch.empty(24, 4 * FLASH_D, device="meta"), torch.empty(3),
+            torch.empty(24), torch.empty(FLASH_D, device="meta"), ITERS, HC_EPS, NORM_EPS, EPS)
+    monkeypatch.setattr(ops, "TILELANG_PRE_MIN_M", None)
+    assert "off by default" in ops._tilelang_pre_ok(*args, batch_invariant=False)
+    monkeypatch.setattr(ops, "TILELANG_PRE_MIN_M", 4096)
+    assert ops._tilelang_pre_ok(*args, batch_invariant=False) is None
+    assert "batch-invariant" in ops._tilelang_pre_ok(*args, batch_invariant=True)
+    assert "decode sizes" in ops._tilelang_pre_ok(*(h[:100], *args[1:]), batch_invariant=False)
+    assert "float32 RMSNorm weight" in ops._tilelang_pre_ok(*args[:5], None, *args[6:], batch_invariant=False)
