@@ -341,6 +341,20 @@ def test_default_configs_keep_wgmma_rows():
             assert cfg["BLOCK_M"] >= 16 * cfg["num_warps"], (op, cfg)
 
 
+def test_decode_sizes_split_k_slices_in_two_outside_batch_invariant_mode():
+    """Untuned configs: split 2 up to SPLIT2_MAX_M tokens for every op that has the option (the same rule for
+    all keeps pre = collapse + stats), never in batch-invariant mode, never where a slice has one chunk."""
+    from dsv41_passes.lowering.triton.mhc_common import SPLIT2_MAX_M, SPLIT_OPS, untuned_config
+
+    for op in SPLIT_OPS:
+        assert untuned_config(op, 1, 5120, False)["split"] == 2
+        assert untuned_config(op, SPLIT2_MAX_M, 5120, False)["split"] == 2
+        assert untuned_config(op, SPLIT2_MAX_M + 1, 5120, False).get("split", 1) == 1
+        assert untuned_config(op, 1, 5120, True) == tk.default_config(op)
+        assert untuned_config(op, 1, D, False).get("split", 1) == 1  # hidden 64: one 4-column chunk a slice
+    assert "split" not in untuned_config("mhc_post", 1, 5120, False)
+
+
 def test_empty_batch():
     t = make_inputs(0, D)
     pre, post, comb = stats(t)

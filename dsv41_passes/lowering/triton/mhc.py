@@ -60,6 +60,7 @@ from .mhc_common import (  # noqa: F401  (the family's configs, re-exported)
     check_split,
     default_config,
     unsupported,
+    untuned_config,
 )
 from .mhc_projection import _proj_kernel, mhc_boundary, mhc_pre, mhc_stats, stats_mixes  # noqa: F401
 
@@ -173,7 +174,8 @@ def mhc_collapse(h, pre, weight, eps: float, *, batch_invariant: bool, config: d
     if m == 0:
         return x
     _, bk = slice_geometry(d)
-    cfg = config or tactic("mhc_collapse", m, dict(d=d, n=n), default_config("mhc_collapse"),
+    cfg = config or tactic("mhc_collapse", m, dict(d=d, n=n),
+                           untuned_config("mhc_collapse", m, d, batch_invariant),
                            batch_invariant=batch_invariant)
     w = weight.contiguous() if weight is not None else pre
     _collapse_kernel[(triton.cdiv(m, cfg["BLOCK_R"]),)](

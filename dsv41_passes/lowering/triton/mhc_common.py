@@ -58,11 +58,25 @@ def default_config(op: str) -> dict:
 
 
 # ``split`` (config key of the projection ops and the collapse): each K slice cut into that many pieces of
-# whole chunks, a partial each, summed in (slice, piece) order. 1 = the default numerics. Split 2 took
-# mhc_pre from 18.5 to 16.7 us at M = 1 (run 39) and was 3-8% faster up to M = 256 (run 36); 5 and 10 were
-# slower. It is not a default yet: mhc_pre stays bitwise equal to stats + collapse only when every one of
-# them runs the same split, and that set has not run on the GPU.
+# whole chunks, a partial each, summed in (slice, piece) order. 1 = the batch-invariant numerics. Split 2
+# took mhc_pre from 18.5 to 16.7 us at M = 1 (run 39) and was 3-8% faster up to M = 256 (run 36); 5 and 10
+# were slower. On the H200 (run 40) the split-2 set passed the Flash GPU test (mixes vs float64, pre =
+# collapse + stats and boundary = post then pre bitwise at M = 1, 7, 200) and in run 42 mhc_pre took
+# 16.3 vs 18.8 us at M = 1 and 17.9 vs 20.4 us at M = 128. So every op with the option takes split 2 up to
+# SPLIT2_MAX_M tokens outside batch-invariant mode (the same rule for all of them keeps the identities).
 SPLITS = (1, 2)
+SPLIT_OPS = ("mhc_stats", "mhc_pre", "mhc_boundary", "mhc_collapse")
+SPLIT2_MAX_M = 256
+
+
+def untuned_config(op: str, m: int, d: int, batch_invariant: bool) -> dict:
+    """The config ``tactic`` falls back to: the fixed default, with split 2 at decode sizes outside
+    batch-invariant mode (when a K slice has an even number of chunks)."""
+    cfg = default_config(op)
+    if batch_invariant or op not in SPLIT_OPS or m > SPLIT2_MAX_M or "split" in cfg:
+        return cfg
+    ds, bk = slice_geometry(d)
+    return dict(cfg, split=2) if (ds // bk) % 2 == 0 else cfg
 
 
 def check_split(op: str, cfg: dict, d: int) -> int:

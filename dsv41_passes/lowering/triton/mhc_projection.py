@@ -26,8 +26,8 @@ from .mhc_common import (
     _round_bf16,
     _softmax4,
     check_split,
-    default_config,
     unsupported,
+    untuned_config,
 )
 
 # ----------------------------------------------------------------------------- stats / pre / boundary
@@ -316,7 +316,8 @@ def _launch_proj(
         out["mixes"] = torch.empty((m, NMIX), **f32)
     if m == 0:
         return out
-    cfg = config or tactic(op, m, dict(d=d, n=n), default_config(op), batch_invariant=batch_invariant)
+    cfg = config or tactic(op, m, dict(d=d, n=n), untuned_config(op, m, d, batch_invariant),
+                           batch_invariant=batch_invariant)
     bm = cfg["BLOCK_M"]
     nblocks = triton.cdiv(m, bm)
     split = check_split(op, cfg, d)
