@@ -328,7 +328,9 @@ def _tilelang_pre_ok(h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_e
         return "off by default (slower than the Triton kernel on the H200; TILELANG_PRE_MIN_M enables it)"
     if batch_invariant:
         return "batch-invariant mode runs one kernel at every M (the Triton one)"
-    if h.shape[0] < TILELANG_PRE_MIN_M:
+    from .registry import m_below
+
+    if m_below(h.shape[0], TILELANG_PRE_MIN_M):
         return f"M = {h.shape[0]} < {TILELANG_PRE_MIN_M} (decode sizes run the Triton kernel)"
     if weight is None or weight.dtype != torch.float32:
         return "needs the float32 RMSNorm weight"

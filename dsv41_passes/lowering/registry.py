@@ -102,6 +102,17 @@ def dispatch(op: str, priority: str, mode: int, *args: Any) -> Any:
     return p.fn(*args, batch_invariant=batch_invariant)
 
 
+def m_below(m, bound: int) -> bool:
+    """``m < bound`` when that is known without a guard: a concrete M is compared; a symbolic one (the
+    pass choosing a provider at compile time, for the report) gives False, so no supported() check
+    puts a guard on the token count (a guard on it recompiles the graph for other lengths)."""
+    if isinstance(m, int):
+        return m < bound
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(m < bound))
+
+
 # ---------------------------------------------------------------- availability
 def triton_available(t: torch.Tensor) -> str | None:
     """Triton runs CUDA tensors, or CPU tensors under TRITON_INTERPRET=1."""

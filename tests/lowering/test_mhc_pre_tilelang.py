@@ -193,3 +193,22 @@ def test_provider_is_off_by_default(monkeypatch):
     assert "batch-invariant" in ops._tilelang_pre_ok(*args, batch_invariant=True)
     assert "decode sizes" in ops._tilelang_pre_ok(*(h[:100], *args[1:]), batch_invariant=False)
     assert "float32 RMSNorm weight" in ops._tilelang_pre_ok(*args[:5], None, *args[6:], batch_invariant=False)
+
+
+def test_provider_check_puts_no_guard_on_m(monkeypatch):
+    """With the provider on, its M threshold is read without a guard when M is symbolic (compile time)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from dsv41_passes.lowering import mhc as ops
+
+    monkeypatch.setattr(registry, "tilelang_available", lambda t: None)
+    monkeypatch.setattr(ops, "TILELANG_PRE_MIN_M", 4096)
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC, DimDynamic.STATIC])
+    h = mode.from_tensor(torch.empty(64, 4, FLASH_D, dtype=torch.bfloat16), symbolic_context=ctx)
+    before = len(env.guards)
+    ops._tilelang_pre_ok(h, torch.empty(64, 4), torch.empty(24, 4 * FLASH_D), torch.empty(3), torch.empty(24),
+                         torch.empty(FLASH_D), ITERS, HC_EPS, NORM_EPS, EPS, batch_invariant=False)
+    assert len(env.guards) == before, env.guards[before:]

@@ -416,3 +416,29 @@ def test_gpu_triton_strided_o_and_tilelang_declines():
     p, why = choose("wo_a", "tilelang,triton,reference", False, o, w, cos, sin, rd)
     assert p.name == "triton" and any("not contiguous" in x for x in why), why
     assert_bf16_gemm_close(run_op("triton", o, w, cos, sin, rd), run_op("reference", o, w, cos, sin, rd))
+
+
+def test_provider_choice_at_compile_time_puts_no_guard_on_m(monkeypatch):
+    """The pass asks the providers' supported() checks with symbolic M (for the report); an M rule
+    there (the decode split-K deferral) must not add a guard on M, or another length recompiles the
+    graph (seen on the H200 in run 47: ``2 <= M <= 16`` from this check)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from dsv41_passes.lowering import wo_a as ops
+
+    monkeypatch.setattr(ops, "tilelang_available", lambda t: None)
+    monkeypatch.setattr(ops, "triton_available", lambda t: None)
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC, DimDynamic.STATIC])
+    o = mode.from_tensor(torch.empty(64, 16, 512, dtype=torch.bfloat16), symbolic_context=ctx)
+    static = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.STATIC, DimDynamic.STATIC])
+    w = mode.from_tensor(torch.empty(2048, 4096, dtype=torch.bfloat16), symbolic_context=static)  # a parameter
+    before = len(env.guards)
+    ops._wo_a_tilelang_ok(o, w, None, None, 0, batch_invariant=False)
+    assert len(env.guards) == before, env.guards[before:]
+    # a concrete M still takes the rule
+    assert "split-K" in ops._wo_a_tilelang_ok(torch.empty(8, 16, 512, dtype=torch.bfloat16),
+                                              torch.empty(2048, 4096, dtype=torch.bfloat16), None, None, 0,
+                                              batch_invariant=False)
