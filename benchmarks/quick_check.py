@@ -157,7 +157,9 @@ def tilelang_pre(m: int, t: dict, roof: float) -> None:
         return
     h, parts, scale, base, pre_prev, w = (t[k] for k in ("h", "parts", "scale", "base", "pre_prev", "w"))
     sliced = slice_major(parts, 5120, 24)
-    ref = tk.mhc_pre(h, pre_prev, parts, scale, base, w, 20, 1e-6, 1e-6, 1e-6, batch_invariant=False)
+    # the Triton kernel with its fixed default (split 1: the numerics the TileLang kernel shares)
+    ref = tk.mhc_pre(h, pre_prev, parts, scale, base, w, 20, 1e-6, 1e-6, 1e-6, batch_invariant=False,
+                     config=tk.default_config("mhc_pre"))
     for name, cfg in tlp.CONFIGS.items():
         def run(cfg=cfg):
             return tlp.mhc_pre(h, pre_prev, sliced, scale, base, w, 20, 1e-6, 1e-6, 1e-6, config=cfg)

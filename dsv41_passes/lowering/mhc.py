@@ -319,7 +319,7 @@ TILELANG_PRE_MIN_M: int | None = int(_ENV_MIN_M) if _ENV_MIN_M else None
 
 
 def _tilelang_pre_ok(h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, *, batch_invariant):
-    from .registry import tilelang_available
+    from .registry import m_below, tilelang_available
 
     why = tilelang_available(h)
     if why:
@@ -328,8 +328,6 @@ def _tilelang_pre_ok(h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_e
         return "off by default (slower than the Triton kernel on the H200; TILELANG_PRE_MIN_M enables it)"
     if batch_invariant:
         return "batch-invariant mode runs one kernel at every M (the Triton one)"
-    from .registry import m_below
-
     if m_below(h.shape[0], TILELANG_PRE_MIN_M):
         return f"M = {h.shape[0]} < {TILELANG_PRE_MIN_M} (decode sizes run the Triton kernel)"
     if weight is None or weight.dtype != torch.float32:
