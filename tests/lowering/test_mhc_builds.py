@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 tk = pytest.importorskip("dsv41_passes.lowering.triton.mhc")
+from dsv41_passes.lowering.triton.mhc_projection import stats_rows as fb  # noqa: E402
 
 ITERS, HC_EPS, NORM_EPS = 20, 1e-6, 1e-6
 
@@ -35,27 +36,44 @@ def _sm90_builds(d: int = 5120) -> tuple[list[str], list[dict]]:
     variants = {(c["BLOCK_M"], c["num_warps"]) for c in tk.CANDIDATES["mhc_pre"]}
     for bm, warps in sorted(variants):
         consts = dict(D=d, BK=bk, BM=bm, XB=tk._norm_block(d, bm), BOUNDARY=False, COLLAPSE=True, NORM=True,
-                      MIXES=False, FINISH=True, SPLIT=1, INTERP=False)
+                      MIXES=False, FINISH=True, SPLIT=1, FB=fb(bm, 16), NP2=16, PDL=False, INTERP=False)
         add(f"pre {bm}x{warps}", "_proj_kernel", proj_ptrs, floats, consts, num_warps=warps, num_stages=3)
     cfg = tk.DEFAULTS["mhc_pre"]
     bm = cfg["BLOCK_M"]
     add("pre finish=kernel", "_proj_kernel", proj_ptrs, floats,
         dict(D=d, BK=bk, BM=bm, XB=tk._norm_block(d, bm), BOUNDARY=False, COLLAPSE=True, NORM=True, MIXES=False,
-             FINISH=False, SPLIT=1, INTERP=False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+             FINISH=False, SPLIT=1, FB=fb(bm, 16), NP2=16, PDL=False, INTERP=False),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     add("pre finish=kernel split=2", "_proj_kernel", proj_ptrs, floats,
         dict(D=d, BK=bk, BM=bm, XB=tk._norm_block(d, bm), BOUNDARY=False, COLLAPSE=True, NORM=True, MIXES=False,
-             FINISH=False, SPLIT=2, INTERP=False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+             FINISH=False, SPLIT=2, FB=fb(bm, 32), NP2=32, PDL=False, INTERP=False),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    # the decode configs (16-row blocks on 4 warps, split 2; mma.sync, outside batch-invariant mode)
+    from dsv41_passes.lowering.triton.mhc_common import SMALL_ROWS
+
+    sb, sw = SMALL_ROWS["BLOCK_M"], SMALL_ROWS["num_warps"]
+    for what, boundary in (("pre", False), ("boundary", True)):
+        add(f"decode {what} {sb}x{sw} split=2", "_proj_kernel", proj_ptrs, floats,
+            dict(D=d, BK=bk, BM=sb, XB=tk._norm_block(d, sb), BOUNDARY=boundary, COLLAPSE=True, NORM=True,
+                 MIXES=False, FINISH=False, SPLIT=2, FB=fb(sb, 32), NP2=32, PDL=True, INTERP=False),
+            num_warps=sw, num_stages=3)
+    add("decode finish kernel", "_finish_kernel",
+        "x_ptr w_ptr scale_ptr base_ptr pre_ptr post_ptr comb_ptr mix_ptr ws_ptr ss_ptr xss_ptr".split(), floats,
+        dict(D=d, BM=sb, XB=tk._norm_block(d, sb), NC=1, NORM=True, MIXES=False, NPART=32,
+             PARTS=d // tk._norm_block(d, sb), FB=fb(sb, 32), NP2=32, PDL=True, INTERP=False),
+        module="dsv41_passes.lowering.triton.mhc_projection", num_warps=4)
     xb = tk._norm_block(d, bm)
     for npart, parts in ((16, 16), (32, d // xb)):  # prefill layout; split 2 with the decode layout
         add(f"finish kernel {npart} partials", "_finish_kernel",
             "x_ptr w_ptr scale_ptr base_ptr pre_ptr post_ptr comb_ptr mix_ptr ws_ptr ss_ptr xss_ptr".split(), floats,
             dict(D=d, BM=bm, XB=xb, NC=d // xb // parts, NORM=True, MIXES=False, NPART=npart, PARTS=parts,
-                 INTERP=False),
+                 FB=fb(bm, npart), NP2=npart, PDL=False, INTERP=False),
             module="dsv41_passes.lowering.triton.mhc_projection", num_warps=4)
     cfg = tk.DEFAULTS["mhc_boundary"]
     add("boundary", "_proj_kernel", proj_ptrs, floats,
         dict(D=d, BK=bk, BM=cfg["BLOCK_M"], XB=tk._norm_block(d, cfg["BLOCK_M"]), BOUNDARY=True, COLLAPSE=True,
-             NORM=True, MIXES=False, FINISH=True, SPLIT=1, INTERP=False), num_warps=cfg["num_warps"],
+             NORM=True, MIXES=False, FINISH=True, SPLIT=1, FB=fb(cfg["BLOCK_M"], 16), NP2=16, PDL=False, INTERP=False),
+        num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     cfg = tk.DEFAULTS["mhc_collapse"]
     for norm in (False, True):
@@ -107,8 +125,15 @@ def test_triton_sm90_builds_one_wgmma_shape_and_no_fma():
     usage = built[f"pre {default['BLOCK_M']}x{default['num_warps']}"]["usage"]
     assert usage and usage["STACK"] == 0 and usage["REG"] <= 255, usage
     for n in ("collapse norm=False", "collapse norm=True", "post", "finish kernel 16 partials",
-              "finish kernel 32 partials", "pre finish=kernel split=2"):
+              "finish kernel 32 partials", "pre finish=kernel split=2", "decode pre 16x4 split=2",
+              "decode boundary 16x4 split=2", "decode finish kernel"):
         assert built[n]["usage"]["STACK"] == 0, (n, built[n]["usage"])
+    from dsv41_passes.lowering.triton.mhc_projection import _gdc_wait
+
+    if _gdc_wait is not None:  # the pdl option: the projection lets the finish launch, the finish waits
+        assert "griddepcontrol.launch_dependents" in built["decode pre 16x4 split=2"]["ptx"]
+        assert "griddepcontrol.wait" in built["decode finish kernel"]["ptx"]
+        assert "griddepcontrol" not in built["finish kernel 16 partials"]["ptx"]
     for n, b in built.items():
         # the kernels' only FMAs are their explicit sums of squares, ``tl.fma(x, x, acc)``
         fmas = [i.split(None, 1)[1].rstrip(";").replace(" ", "").split(",") for i in instructions(b["ptx"])

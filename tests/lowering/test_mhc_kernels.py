@@ -286,17 +286,20 @@ def test_finish_kernel_gives_the_last_arriver_bits(weight):
                 assert_equal(a, b, f"{name} output {i} {last}")
 
 
-@pytest.mark.parametrize("finish", ["last", "kernel"])
-def test_k_slices_split_in_two(finish):
+@pytest.mark.parametrize("finish,rows", [("last", None), ("kernel", None), ("kernel", 16)])
+def test_k_slices_split_in_two(finish, rows):
     """``split=2``: each K slice in two pieces of whole chunks, a partial each (hidden 1024: 2 chunks of 32
     columns a slice). Same math as one piece up to the order of the fp32 sums: mixes within 1e-6 of float64,
     x within 1 bf16 ulp of the unsplit x. With the same split everywhere the fused ops keep their identities
-    bitwise (pre = collapse + stats, boundary = post then pre), both finishes agree, rows do not depend on M."""
+    bitwise (pre = collapse + stats, boundary = post then pre), both finishes agree, rows do not depend on M.
+    ``rows=16``: the decode configs' 16-row blocks on 4 warps (``SMALL_ROWS``)."""
     d = 1024
     t = make_inputs(64, d, seed=2)  # an input where the split's norm sums round one x element differently
     cfg = {op: dict(tk.default_config(op), split=2) for op in ("mhc_stats", "mhc_pre", "mhc_boundary", "mhc_collapse")}
     for op in ("mhc_stats", "mhc_pre", "mhc_boundary"):
         cfg[op]["finish"] = finish
+        if rows:
+            cfg[op].update(BLOCK_M=rows, num_warps=4)
     mixes = tk.stats_mixes(t["h"], build_parts(t["fn"]), t["scale"], t["base"], ITERS, HC_EPS, NORM_EPS,
                            config=cfg["mhc_stats"])
     assert normwise(mixes, mixes64(t["h"], t["fn"])) <= 1e-6
@@ -343,10 +346,24 @@ def test_default_configs_keep_wgmma_rows():
 
 def test_decode_sizes_split_k_slices_in_two_outside_batch_invariant_mode():
     """Untuned configs: split 2 up to SPLIT2_MAX_M tokens for every op that has the option (the same rule for
-    all keeps pre = collapse + stats), never in batch-invariant mode, never where a slice has one chunk."""
-    from dsv41_passes.lowering.triton.mhc_common import SPLIT2_MAX_M, SPLIT_OPS, untuned_config
+    all keeps pre = collapse + stats), never in batch-invariant mode, never where a slice has one chunk;
+    16-row blocks for the projection ops up to SMALL_ROWS_MAX_M."""
+    from dsv41_passes.lowering.triton.mhc_common import (
+        SMALL_ROWS,
+        SMALL_ROWS_MAX_M,
+        SPLIT2_MAX_M,
+        SPLIT_OPS,
+        untuned_config,
+    )
 
     for op in SPLIT_OPS:
+        # 16-row blocks up to SMALL_ROWS_MAX_M for the projection ops (the collapse keeps its rows)
+        small, above = (untuned_config(op, m, 5120, False) for m in (SMALL_ROWS_MAX_M, SMALL_ROWS_MAX_M + 1))
+        if op == "mhc_collapse":
+            assert small == above == dict(tk.default_config(op), split=2)
+        else:
+            assert small == dict(tk.default_config(op), split=2, **SMALL_ROWS)
+            assert above == dict(tk.default_config(op), split=2)
         assert untuned_config(op, 1, 5120, False)["split"] == 2
         assert untuned_config(op, SPLIT2_MAX_M, 5120, False)["split"] == 2
         assert untuned_config(op, SPLIT2_MAX_M + 1, 5120, False).get("split", 1) == 1

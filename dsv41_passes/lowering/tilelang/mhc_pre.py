@@ -472,18 +472,19 @@ def mhc_pre(h, pre_prev, sliced, scale, base, weight, iters, hc_eps, norm_eps, e
         raise ValueError("TileLang mhc_pre: needs the float32 RMSNorm weight [hidden]")
     from ..triton.common import INTERPRET
     from ..triton.mhc_common import LAUNCH_OPTIONS
-    from ..triton.mhc_projection import _finish_kernel
+    from ..triton.mhc_projection import _finish_kernel, stats_rows
 
     x, ws, ss = partials(h, pre_prev, sliced, weight, eps, config=config)
     f32 = dict(dtype=torch.float32, device=h.device)
     pre, post, comb = torch.empty((m, n), **f32), torch.empty((m, n), **f32), torch.empty((m, n, n), **f32)
     mix = torch.empty((m, NMIX), **f32) if mixes else pre
     if m:
-        _finish_kernel[(-(-m // BM), 1)](
+        fb = stats_rows(BM, NUM_SLICES)
+        _finish_kernel[(-(-m // BM), BM // fb)](
             x, weight, scale.contiguous(), base.contiguous(), pre, post, comb, mix, ws, ss, ss,
             m, x.stride(0), int(iters), float(hc_eps), float(norm_eps), float(eps),
             D=d, BM=BM, XB=1, NC=1, NORM=False, MIXES=mixes, NPART=NUM_SLICES, PARTS=0,
-            INTERP=INTERPRET, num_warps=4, **LAUNCH_OPTIONS,
+            FB=fb, NP2=NUM_SLICES, PDL=False, INTERP=INTERPRET, num_warps=4, **LAUNCH_OPTIONS,
         )
     out = (x, pre, post, comb)
     return (*out, mix) if mixes else out

@@ -13,15 +13,18 @@ and never depend on M, the launch grid or the config:
 * Projection: compensated BF16x3, three ``tl.dot`` per (chunk, stream) into
   separate fp32 accumulators (hi: a fresh MMA chain per dot, added in fp32
   registers; mid, lo: MMA chains over the slice, see ``_dot3``); slice partial =
-  ``(hi + mid) + lo``; the 16 partials summed in slice order. ``BLOCK_M >= 16 * num_warps`` in every config,
-  so Hopper always lowers the dots to the same wgmma chain.
+  ``(hi + mid) + lo``; the 16 partials summed by a pairwise tree (adjacent slices first).
+  ``BLOCK_M >= 16 * num_warps`` in every config batch-invariant mode runs, so Hopper always lowers
+  the dots to the same wgmma chain.
 * Sums of squares (of the residual, and of the rounded collapse for the norm):
   fp32 elementwise accumulation per chunk position (explicit ``tl.fma``, which
   rounds once on the GPU and in the interpreter alike), then a fixed pairwise tree
   over the BK positions (``pairwise_row_sum``; ``tl.sum`` is avoided because its tree
   follows the register layout, which changes with the config), then the slice
-  sums in slice order.
-* Sinkhorn: a row block at once as [BM, 4] tiles per comb row, explicit reduction trees.
+  sums: the residual's by the mixes' pairwise tree, the collapse's in slice order
+  (as the TileLang ``mhc_pre`` sums them).
+* Sinkhorn: 16 column vectors of a few rows at once, explicit reduction trees
+  (elementwise, in registers).
 
 Kernels upcast right after loading (the CPU interpreter computes bf16 on raw
 bits) and round with ``rne_bf16`` before bf16 stores. Every launch passes

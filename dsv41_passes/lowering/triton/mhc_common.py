@@ -11,7 +11,7 @@ import triton.language as tl
 
 from ..mhc_weights import NUM_SLICES, slice_geometry
 from ..mhc_weights import NP_DEFAULT as NP
-from .common import INTERPRET, pairwise_row_sum, rne_bf16
+from .common import INTERPRET, rne_bf16
 
 HC = 4
 NMIX = (2 + HC) * HC  # 24 mix columns: pre[4], post[4], comb[4][4]
@@ -58,25 +58,42 @@ def default_config(op: str) -> dict:
 
 
 # ``split`` (config key of the projection ops and the collapse): each K slice cut into that many pieces of
-# whole chunks, a partial each, summed in (slice, piece) order. 1 = the batch-invariant numerics. Split 2
-# took mhc_pre from 18.5 to 16.7 us at M = 1 (run 39) and was 3-8% faster up to M = 256 (run 36); 5 and 10
-# were slower. On the H200 (run 40) the split-2 set passed the Flash GPU test (mixes vs float64, pre =
-# collapse + stats and boundary = post then pre bitwise at M = 1, 7, 200) and in run 42 mhc_pre took
-# 16.3 vs 18.8 us at M = 1 and 17.9 vs 20.4 us at M = 128. So every op with the option takes split 2 up to
-# SPLIT2_MAX_M tokens outside batch-invariant mode (the same rule for all of them keeps the identities).
-SPLITS = (1, 2)
+# whole chunks, a partial each. 1 = the batch-invariant numerics. Split 2 took mhc_pre from 18.5 to 16.7 us
+# at M = 1 (run 39) and was 3-8% faster up to M = 256 (run 36). On the H200 (run 40) the split-2 set passed
+# the Flash GPU test (mixes vs float64, pre = collapse + stats and boundary = post then pre bitwise at
+# M = 1, 7, 200). So every op with the option takes split 2 up to SPLIT2_MAX_M tokens outside
+# batch-invariant mode (the same rule for all of them keeps the identities). Splits 5 and 10 are tuner
+# options: their projection is faster but the finish sums 80 / 160 partials (runs 49-51).
+SPLITS = (1, 2, 5, 10)
 SPLIT_OPS = ("mhc_stats", "mhc_pre", "mhc_boundary", "mhc_collapse")
 SPLIT2_MAX_M = 256
+# Up to SMALL_ROWS_MAX_M tokens (outside batch-invariant mode) the projection ops also take 16-row blocks
+# on 4 warps (mma.sync instead of wgmma: the BLOCK_M >= 16 * num_warps rule is for batch invariance): a
+# quarter of the elementwise work a warp where 15 of 16 rows of a 64-row block were padding. mhc_pre,
+# probe run 51 (us): 12.2 vs 13.4 at M = 1, 13.3 vs 14.7 at 16, 13.8 vs 15.0 at 64; at 128 the
+# 64-row block is faster (16.0 vs 17.6).
+SMALL_ROWS_MAX_M = 64
+SMALL_ROWS = dict(BLOCK_M=16, num_warps=4)
+# ``pdl`` (config key with finish="kernel"; opt-in, off in every default): the finish kernel is launched by
+# programmatic dependent launch and waits in the kernel for the projection's writes. Same bits; run 54:
+# 0.1-0.8 us faster at M = 1 ... 256 (M = 128: 15.7 vs 16.1 us), slower at prefill (1.73 vs 1.62 ms at
+# 65536: its early CTAs hold SM slots while they wait).
+_PROJ_OPS = ("mhc_stats", "mhc_pre", "mhc_boundary")
 
 
 def untuned_config(op: str, m: int, d: int, batch_invariant: bool) -> dict:
-    """The config ``tactic`` falls back to: the fixed default, with split 2 at decode sizes outside
-    batch-invariant mode (when a K slice has an even number of chunks)."""
+    """The config ``tactic`` falls back to: the fixed default; at decode sizes outside batch-invariant mode
+    split 2 (when a K slice has an even number of chunks) and, up to SMALL_ROWS_MAX_M, 16-row blocks."""
     cfg = default_config(op)
     if batch_invariant or op not in SPLIT_OPS or m > SPLIT2_MAX_M or "split" in cfg:
         return cfg
     ds, bk = slice_geometry(d)
-    return dict(cfg, split=2) if (ds // bk) % 2 == 0 else cfg
+    if (ds // bk) % 2:
+        return cfg
+    cfg = dict(cfg, split=2)
+    if op in _PROJ_OPS and m <= SMALL_ROWS_MAX_M:
+        cfg.update(SMALL_ROWS)
+    return cfg
 
 
 def check_split(op: str, cfg: dict, d: int) -> int:
@@ -160,12 +177,6 @@ def _collapse(h0, h1, h2, h3, p0, p1, p2, p3):
     acc += p2 * h2
     acc += p3 * h3
     return acc
-
-
-@triton.jit
-def _softmax4(z, R: tl.constexpr):
-    e = tl.exp(z - tl.max(z, axis=1)[:, None])
-    return e / pairwise_row_sum(e, R, 4)[:, None]
 
 
 @triton.jit

@@ -24,7 +24,6 @@ from .mhc_common import (
     _normalize_cols,
     _normalize_rows,
     _round_bf16,
-    _softmax4,
     check_split,
     unsupported,
     untuned_config,
@@ -33,6 +32,12 @@ from .mhc_common import (
 # ----------------------------------------------------------------------------- stats / pre / boundary
 # inline PTX only where a GPU compiles the kernel (tests may run the GPU code path in the interpreter)
 _PTX = tl.constexpr(not INTERPRET)
+try:  # programmatic dependent launch (Hopper): Triton's grid-dependency control, where this Triton has it
+    from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
+    from triton.language.extra.cuda import gdc_wait as _gdc_wait
+except ImportError:  # pragma: no cover - older Triton
+    _gdc_wait = _gdc_launch_dependents = None
+PDL_SUPPORTED = _gdc_wait is not None and not INTERPRET
 
 
 @triton.jit
@@ -71,30 +76,55 @@ def _dot3(a, parts_ptr, krows, acc_hi, acc_mid, acc_lo, K: tl.constexpr, INTERP:
 
 
 @triton.jit
-def _finish_stats(
-    ws_ptr, ss_ptr, slot0, rows, rmask, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, mix_ptr,
-    iters, hc_eps, norm_eps, K: tl.constexpr, BM: tl.constexpr, MIXES: tl.constexpr, NPART: tl.constexpr,
-):
-    """Ordered sum of the NPART partials (slice by slice), rsqrt, pre/post, softmax + Sinkhorn for one row
-    block (all rows' partials are in)."""
-    r = tl.arange(0, BM)
+def _partial_group(ws_ptr, slot0, rr, rmask, c0, BM: tl.constexpr, FB: tl.constexpr, NPART: tl.constexpr,
+                   NP2: tl.constexpr):
+    """Sum over the NPART partials of mix columns ``[c0, c0 + 4)`` for the FB rows ``rr`` of a row block:
+    one tile load ``[FB, NP2, 4]`` (16-byte vectors), then a pairwise tree over the partials."""
+    sp = tl.arange(0, NP2)
     c4 = tl.arange(0, 4)
-    t_pre = tl.zeros((BM, 4), tl.float32)
-    t_post = tl.zeros((BM, 4), tl.float32)
-    t_c0 = tl.zeros((BM, 4), tl.float32)
-    t_c1 = tl.zeros((BM, 4), tl.float32)
-    t_c2 = tl.zeros((BM, 4), tl.float32)
-    t_c3 = tl.zeros((BM, 4), tl.float32)
-    ss = tl.zeros((BM,), tl.float32)
-    for s in tl.static_range(NPART):  # unrolled: every partial's loads can be in flight at once
-        p = ws_ptr + ((slot0 + s) * BM + r[:, None]) * _NMIX + c4[None, :]
-        t_pre += tl.load(p, cache_modifier=".cg")
-        t_post += tl.load(p + 4, cache_modifier=".cg")
-        t_c0 += tl.load(p + 8, cache_modifier=".cg")
-        t_c1 += tl.load(p + 12, cache_modifier=".cg")
-        t_c2 += tl.load(p + 16, cache_modifier=".cg")
-        t_c3 += tl.load(p + 20, cache_modifier=".cg")
-        ss += tl.load(ss_ptr + (slot0 + s) * BM + r, cache_modifier=".cg")
+    off = ((slot0 + sp[None, :, None]) * BM + rr[:, None, None]) * _NMIX + c0 + c4[None, None, :]
+    ok = rmask[:, None, None] & (sp[None, :, None] < NPART) & (c4[None, None, :] < 4)
+    t = tl.permute(tl.load(ws_ptr + off, mask=ok, other=0.0, cache_modifier=".cg"), (0, 2, 1))
+    return tl.reshape(pairwise_row_sum(tl.reshape(t, (FB * 4, NP2)), FB * 4, NP2), (FB, 4))
+
+
+@triton.jit
+def _norm_sumsq(xss_ptr, slot0, r, rmask, BM: tl.constexpr, NPART: tl.constexpr, CACHE: tl.constexpr):
+    """The norm's sum of squares of rows ``r`` of a row block: its NPART partials in slice order, the order
+    ``mhc_collapse`` and the TileLang ``mhc_pre`` sum them in."""
+    xs = tl.zeros((BM,), tl.float32)
+    for s2 in tl.static_range(NPART):
+        xs += tl.load(xss_ptr + (slot0 + s2) * BM + r, mask=rmask, other=0.0, cache_modifier=CACHE)
+    return xs
+
+
+def stats_rows(bm: int, npart: int) -> int:
+    """Rows a stats program of the finish takes (FB): its partial tiles stay <= 2048 values each."""
+    np2 = triton.next_power_of_2(npart)
+    return max(1, min(bm, 2048 // (4 * np2)))
+
+
+@triton.jit
+def _finish_stats(
+    ws_ptr, ss_ptr, slot0, rr, rows, rmask, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, mix_ptr,
+    iters, hc_eps, norm_eps, K: tl.constexpr, BM: tl.constexpr, FB: tl.constexpr, MIXES: tl.constexpr,
+    NPART: tl.constexpr, NP2: tl.constexpr,
+):
+    """For FB rows of one row block (``rr``: their index in the block; all its partials are in): the sum
+    of the NPART partials (a pairwise tree over them, ``_partial_group``), rsqrt, pre/post, softmax +
+    Sinkhorn. The partials are read as a few wide tiles, masked to the live rows: the loads of one
+    partial at a time had ~20 in flight and made the latency of the program (M = 1: 9.7 us for 32)."""
+    c4 = tl.arange(0, 4)
+    t_pre = _partial_group(ws_ptr, slot0, rr, rmask, 0, BM, FB, NPART, NP2)
+    t_post = _partial_group(ws_ptr, slot0, rr, rmask, 4, BM, FB, NPART, NP2)
+    t_c0 = _partial_group(ws_ptr, slot0, rr, rmask, 8, BM, FB, NPART, NP2)
+    t_c1 = _partial_group(ws_ptr, slot0, rr, rmask, 12, BM, FB, NPART, NP2)
+    t_c2 = _partial_group(ws_ptr, slot0, rr, rmask, 16, BM, FB, NPART, NP2)
+    t_c3 = _partial_group(ws_ptr, slot0, rr, rmask, 20, BM, FB, NPART, NP2)
+    sp = tl.arange(0, NP2)
+    sso = (slot0 + sp[None, :]) * BM + rr[:, None]
+    ss = pairwise_row_sum(tl.load(ss_ptr + sso, mask=rmask[:, None] & (sp[None, :] < NPART), other=0.0,
+                                  cache_modifier=".cg"), FB, NP2)
     rstd = (1.0 / tl.sqrt_rn(ss / K + norm_eps))[:, None]
     m_pre = t_pre * rstd
     m_post = t_post * rstd
@@ -118,26 +148,60 @@ def _finish_stats(
     b4 = base_ptr + c4[None, :]
     pre = tl.sigmoid(m_pre * sc0 + tl.load(b4)) + hc_eps
     post = 2.0 * tl.sigmoid(m_post * sc1 + tl.load(b4 + 4))
-    c0 = _softmax4(m_c0 * sc2 + tl.load(b4 + 8), BM) + hc_eps
-    c1 = _softmax4(m_c1 * sc2 + tl.load(b4 + 12), BM) + hc_eps
-    c2 = _softmax4(m_c2 * sc2 + tl.load(b4 + 16), BM) + hc_eps
-    c3 = _softmax4(m_c3 * sc2 + tl.load(b4 + 20), BM) + hc_eps
-    col = ((c0 + c1) + (c2 + c3)) + hc_eps
-    c0, c1, c2, c3 = c0 / col, c1 / col, c2 / col, c3 / col
+    # comb as 16 column vectors [FB]: every reduction of the Sinkhorn is then elementwise in registers
+    # (row sums of [FB, 4] tiles went through shared memory: two barriers each, 8 an iteration). The
+    # sums keep pairwise_row_sum's tree, so the bits are those of the tile form.
+    c00, c01, c02, c03 = _softmax_cols(m_c0 * sc2 + tl.load(b4 + 8), hc_eps, FB)
+    c10, c11, c12, c13 = _softmax_cols(m_c1 * sc2 + tl.load(b4 + 12), hc_eps, FB)
+    c20, c21, c22, c23 = _softmax_cols(m_c2 * sc2 + tl.load(b4 + 16), hc_eps, FB)
+    c30, c31, c32, c33 = _softmax_cols(m_c3 * sc2 + tl.load(b4 + 20), hc_eps, FB)
+    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps)
+    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps)
+    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps)
+    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps)
     for _ in range(iters - 1):
-        c0 = c0 / (pairwise_row_sum(c0, BM, 4)[:, None] + hc_eps)
-        c1 = c1 / (pairwise_row_sum(c1, BM, 4)[:, None] + hc_eps)
-        c2 = c2 / (pairwise_row_sum(c2, BM, 4)[:, None] + hc_eps)
-        c3 = c3 / (pairwise_row_sum(c3, BM, 4)[:, None] + hc_eps)
-        col = ((c0 + c1) + (c2 + c3)) + hc_eps
-        c0, c1, c2, c3 = c0 / col, c1 / col, c2 / col, c3 / col
+        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, hc_eps)
+        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, hc_eps)
+        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, hc_eps)
+        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, hc_eps)
+        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps)
+        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps)
+        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps)
+        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps)
     tl.store(pre_ptr + o4, pre, mask=m2)
     tl.store(post_ptr + o4, post, mask=m2)
-    o16 = rows[:, None] * 16 + c4[None, :]
-    tl.store(comb_ptr + o16, c0, mask=m2)
-    tl.store(comb_ptr + o16 + 4, c1, mask=m2)
-    tl.store(comb_ptr + o16 + 8, c2, mask=m2)
-    tl.store(comb_ptr + o16 + 12, c3, mask=m2)
+    cb = comb_ptr + rows * 16
+    _store4(cb, c00, c01, c02, c03, rmask)
+    _store4(cb + 4, c10, c11, c12, c13, rmask)
+    _store4(cb + 8, c20, c21, c22, c23, rmask)
+    _store4(cb + 12, c30, c31, c32, c33, rmask)
+
+
+@triton.jit
+def _norm4(a, b, c, d, eps):
+    """``v / (sum(v) + eps)`` for four same-shape vectors, summed as ``pairwise_row_sum`` sums 4."""
+    t = ((a + b) + (c + d)) + eps
+    return a / t, b / t, c / t, d / t
+
+
+@triton.jit
+def _softmax_cols(z, hc_eps, BM: tl.constexpr):
+    """Row softmax of a [BM, 4] tile, plus ``hc_eps``, as its four columns [BM] (``_softmax4``'s values)."""
+    lo, hi = tl.split(tl.reshape(z, (BM, 2, 2)))  # columns (0, 2) and (1, 3)
+    z0, z2 = tl.split(lo)
+    z1, z3 = tl.split(hi)
+    mx = tl.maximum(tl.maximum(z0, z1), tl.maximum(z2, z3))
+    e0, e1, e2, e3 = tl.exp(z0 - mx), tl.exp(z1 - mx), tl.exp(z2 - mx), tl.exp(z3 - mx)
+    t = (e0 + e1) + (e2 + e3)
+    return e0 / t + hc_eps, e1 / t + hc_eps, e2 / t + hc_eps, e3 / t + hc_eps
+
+
+@triton.jit
+def _store4(p, a, b, c, d, mask):
+    tl.store(p, a, mask=mask)
+    tl.store(p + 1, b, mask=mask)
+    tl.store(p + 2, c, mask=mask)
+    tl.store(p + 3, d, mask=mask)
 
 
 @triton.jit(do_not_specialize=["M", "iters"])
@@ -151,7 +215,8 @@ def _proj_kernel(
     iters, hc_eps, norm_eps, eps,
     D: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, XB: tl.constexpr,
     BOUNDARY: tl.constexpr, COLLAPSE: tl.constexpr, NORM: tl.constexpr, MIXES: tl.constexpr,
-    FINISH: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
+    FINISH: tl.constexpr, SPLIT: tl.constexpr, FB: tl.constexpr, NP2: tl.constexpr, PDL: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     """One (row block, K slice, piece) per program; the last program of a row block to finish reduces it
     (FINISH; otherwise ``_finish_kernel``, launched next, does). SPLIT: each K slice is cut into SPLIT
@@ -161,6 +226,8 @@ def _proj_kernel(
     BOUNDARY: h is ``post(y, res, post_in, comb_in)``, computed here and written once to new_ptr.
     COLLAPSE: also ``x = bf16(sum_j pre_prev_j h_j)`` (NORM: then RMSNorm of x, finished in place).
     """
+    if PDL:  # the finish kernel (launched with PDL) may start now; it waits for this grid's writes
+        _gdc_launch_dependents()
     DS: tl.constexpr = D // _S
     K: tl.constexpr = 4 * D
     NPART: tl.constexpr = _S * SPLIT
@@ -239,12 +306,12 @@ def _proj_kernel(
     arrived = tl.atomic_add(count_ptr + rb, 1, sem="acq_rel", scope="gpu")
     if arrived == NPART - 1:
         slot0 = rb * NPART
-        _finish_stats(ws_ptr, ss_ptr, slot0, rows, rmask, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
-                      mix_ptr, iters, hc_eps, norm_eps, K, BM, MIXES, NPART)
+        for q in tl.static_range(BM // FB):
+            rq = q * FB + tl.arange(0, FB)
+            _finish_stats(ws_ptr, ss_ptr, slot0, rq, rb * BM + rq, rb * BM + rq < M, scale_ptr, base_ptr, pre_ptr,
+                          post_ptr, comb_ptr, mix_ptr, iters, hc_eps, norm_eps, K, BM, FB, MIXES, NPART, NP2)
         if NORM:
-            xs = tl.zeros((BM,), tl.float32)
-            for s2 in tl.static_range(NPART):
-                xs += tl.load(xss_ptr + (slot0 + s2) * BM + r, cache_modifier=".cg")
+            xs = _norm_sumsq(xss_ptr, slot0, r, rmask, BM, NPART, ".cg")
             _normalize_rows(x_ptr, w_ptr, rows, rmask, stride_x, xs, eps, D, XB, ".cg", INTERP)
 
 
@@ -253,25 +320,27 @@ def _finish_kernel(
     x_ptr, w_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, mix_ptr, ws_ptr, ss_ptr, xss_ptr,
     M, stride_x, iters, hc_eps, norm_eps, eps,
     D: tl.constexpr, BM: tl.constexpr, XB: tl.constexpr, NC: tl.constexpr, NORM: tl.constexpr,
-    MIXES: tl.constexpr, NPART: tl.constexpr, PARTS: tl.constexpr, INTERP: tl.constexpr,
+    MIXES: tl.constexpr, NPART: tl.constexpr, PARTS: tl.constexpr, FB: tl.constexpr, NP2: tl.constexpr,
+    PDL: tl.constexpr, INTERP: tl.constexpr,
 ):
     """The reduction of ``_proj_kernel`` (FINISH=False) as its own launch: program (row block, part < PARTS)
-    normalizes NC * XB columns of x, and the row block's last program (part = PARTS) finishes the
-    stats. Same arithmetic as the last-arriver path, spread over more programs (the serial tail of one
-    program per row block is gone)."""
+    normalizes NC * XB columns of x, and programs part >= PARTS finish the stats of FB rows each. Same
+    arithmetic as the last-arriver path, spread over more programs (the serial tail of one program per
+    row block is gone)."""
+    if PDL:  # launched before the projection kernel ended: wait for its writes (all of them visible after)
+        _gdc_wait()
     rb = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     r = tl.arange(0, BM)
     rows = rb * BM + r
     rmask = rows < M
     slot0 = rb * NPART
-    if part == PARTS:
-        _finish_stats(ws_ptr, ss_ptr, slot0, rows, rmask, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
-                      mix_ptr, iters, hc_eps, norm_eps, 4 * D, BM, MIXES, NPART)
+    if part >= PARTS:  # stats of rows [q * FB, (q + 1) * FB) of the block
+        rq = (part - PARTS) * FB + tl.arange(0, FB)
+        _finish_stats(ws_ptr, ss_ptr, slot0, rq, rb * BM + rq, rb * BM + rq < M, scale_ptr, base_ptr, pre_ptr,
+                      post_ptr, comb_ptr, mix_ptr, iters, hc_eps, norm_eps, 4 * D, BM, FB, MIXES, NPART, NP2)
     elif NORM:
-        xs = tl.zeros((BM,), tl.float32)
-        for s2 in tl.static_range(NPART):
-            xs += tl.load(xss_ptr + (slot0 + s2) * BM + r)
+        xs = _norm_sumsq(xss_ptr, slot0, r, rmask, BM, NPART, "")
         _normalize_cols(x_ptr, w_ptr, rows, rmask, stride_x, xs, eps, part * NC * XB, NC, D, XB, "", INTERP)
 
 
@@ -334,6 +403,10 @@ def _launch_proj(
     finish_last = finish == "last"
     count = torch.zeros(nblocks if finish_last else 0, dtype=torch.int32, device=dev)
     _, bk = slice_geometry(d)
+    fb = stats_rows(bm, npart)
+    # pdl (finish="kernel"): the finish is launched while the projection runs (its launch latency hidden)
+    # and waits in the kernel for the projection's writes
+    pdl = finish == "kernel" and bool(cfg.get("pdl", False)) and PDL_SUPPORTED and dev.type == "cuda"
     dummy = out["pre"]
     new_res = out.get("new_res", dummy)
     x = out.get("x", dummy)
@@ -348,7 +421,8 @@ def _launch_proj(
         x.stride(0) if collapse else 0,
         int(iters), float(hc_eps), float(norm_eps), float(eps),
         D=d, BK=bk, BM=bm, XB=_norm_block(d, bm), BOUNDARY=boundary, COLLAPSE=collapse, NORM=norm, MIXES=mixes,
-        FINISH=finish_last, SPLIT=split, INTERP=INTERPRET, num_warps=cfg["num_warps"],
+        FINISH=finish_last, SPLIT=split, FB=fb, NP2=triton.next_power_of_2(npart), PDL=pdl, INTERP=INTERPRET,
+        num_warps=cfg["num_warps"],
         num_stages=cfg.get("num_stages", 3),
         **LAUNCH_OPTIONS,
     )
@@ -356,12 +430,13 @@ def _launch_proj(
         xb = _norm_block(d, bm)
         # one column block a program when few row blocks (decode: one load latency, not NC), else <= 16
         parts_n = (d // xb if nblocks * 16 < _sm_count(dev) else _finish_parts(d, xb)) if norm else 0
-        _finish_kernel[(nblocks, parts_n + 1)](
+        _finish_kernel[(nblocks, parts_n + bm // fb)](
             x, weight.contiguous() if norm else dummy, scale.contiguous(), base.contiguous(),
             out["pre"], out["post"], out["comb"], out.get("mixes", dummy), ws, ss, xss,
             m, x.stride(0) if collapse else 0, int(iters), float(hc_eps), float(norm_eps), float(eps),
             D=d, BM=bm, XB=xb, NC=d // xb // max(parts_n, 1), NORM=norm, MIXES=mixes, NPART=npart, PARTS=parts_n,
-            INTERP=INTERPRET, num_warps=4, **LAUNCH_OPTIONS,
+            FB=fb, NP2=triton.next_power_of_2(npart), PDL=pdl, INTERP=INTERPRET,
+            num_warps=cfg.get("finish_warps", 4), **LAUNCH_OPTIONS, **({"launch_pdl": True} if pdl else {}),
         )
     return out
 
