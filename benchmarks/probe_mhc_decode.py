@@ -3,7 +3,7 @@ split and finish warps, each checked against float64 (pre/post/comb) and against
 bits), then timed as a CUDA-graph replay, with the device time of each of its two kernels
 (torch.profiler, median of 20 calls). Also times the untuned config at prefill sizes.
 
-    source .devsite/setup.sh && python3 benchmarks/probe_mhc_decode.py [--untuned]
+    source .devsite/setup.sh && python3 benchmarks/probe_mhc_decode.py [--untuned [--rows]]
 """
 
 from __future__ import annotations
@@ -64,7 +64,9 @@ def main() -> None:
     untuned_only = "--untuned" in sys.argv  # the untuned config alone (a check of the defaults)
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     rows = []
-    for m in (1, 16, 64, 65, 128, 256, 512) if untuned_only else (1, 16, 64, 128, 256, 512):
+    rows_only = "--rows" in sys.argv  # with --untuned: the finish's rows / warps at M = 65 and 128 only
+    sizes = ((65, 128) if rows_only else (1, 16, 64, 65, 128, 256, 512)) if untuned_only else (1, 16, 64, 128, 256, 512)
+    for m in sizes:
         t = mhc_inputs(m)
 
         def run(cfg):
@@ -76,18 +78,25 @@ def main() -> None:
 
         # the untuned config, and the same with the finish launched by PDL (programmatic dependent launch)
         checks = {"untuned": None, "untuned + pdl": dict(untuned_config("mhc_pre", m, 5120, False), pdl=True)}
+        if m in (65, 128):  # rows a stats program of the finish takes (the same bits), and its warps
+            for fr in (2, 4, 8):
+                for fw in (2, 4):
+                    checks[f"untuned, finish rows {fr}, {fw} warps"] = dict(
+                        untuned_config("mhc_pre", m, 5120, False), finish_rows=fr, finish_warps=fw)
         for name, cfg in (checks if untuned_only else configs(m)).items():
             try:
                 out = run(cfg)
                 err = float64_err(t, out)
-                same_x = all(torch.equal(a, b) for a, b in zip(out, ref)) if name == "untuned + pdl" else \
-                    torch.equal(out[0].view(torch.int16), ref[0].view(torch.int16))
+                if name.startswith("untuned"):  # variants of the untuned config: all four outputs' bits
+                    same_x = all(torch.equal(a, b) for a, b in zip(out, ref))
+                else:
+                    same_x = torch.equal(out[0].view(torch.int16), ref[0].view(torch.int16))
                 ms = time_ms(lambda cfg=cfg: run(cfg))
                 rows.append((m, name, f"{err:.3f}", same_x, f"{ms * 1e3:.2f}", kernel_us(lambda cfg=cfg: run(cfg))))
             except Exception as e:  # a config a shape cannot take (e.g. a split that leaves no chunk)
                 rows.append((m, name, "-", "-", "-", f"{type(e).__name__}: {str(e)[:60]}"))
             print(*rows[-1], sep=" | ", flush=True)
-    for m in (4096, 16384, 65536):
+    for m in () if rows_only else (4096, 16384, 65536):
         t = mhc_inputs(m)
 
         def run0():

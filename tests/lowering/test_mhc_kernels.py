@@ -349,6 +349,8 @@ def test_decode_sizes_split_k_slices_in_two_outside_batch_invariant_mode():
     all keeps pre = collapse + stats), never in batch-invariant mode, never where a slice has one chunk;
     16-row blocks for the projection ops up to SMALL_ROWS_MAX_M."""
     from dsv41_passes.lowering.triton.mhc_common import (
+        FINISH_SMALL,
+        FINISH_SMALL_MAX_M,
         SMALL_ROWS,
         SMALL_ROWS_MAX_M,
         SPLIT2_MAX_M,
@@ -363,7 +365,9 @@ def test_decode_sizes_split_k_slices_in_two_outside_batch_invariant_mode():
             assert small == above == dict(tk.default_config(op), split=2)
         else:
             assert small == dict(tk.default_config(op), split=2, **SMALL_ROWS)
-            assert above == dict(tk.default_config(op), split=2)
+            finish = FINISH_SMALL if op == "mhc_pre" and tk.default_config(op).get("finish") == "kernel" else {}
+            assert above == dict(tk.default_config(op), split=2, **finish)
+            assert untuned_config(op, FINISH_SMALL_MAX_M + 1, 5120, False) == dict(tk.default_config(op), split=2)
         assert untuned_config(op, 1, 5120, False)["split"] == 2
         assert untuned_config(op, SPLIT2_MAX_M, 5120, False)["split"] == 2
         assert untuned_config(op, SPLIT2_MAX_M + 1, 5120, False).get("split", 1) == 1

@@ -74,6 +74,11 @@ SPLIT2_MAX_M = 256
 # 64-row block is faster (16.0 vs 17.6).
 SMALL_ROWS_MAX_M = 64
 SMALL_ROWS = dict(BLOCK_M=16, num_warps=4)
+# Above it, up to FINISH_SMALL_MAX_M, mhc_pre's finish takes stats programs of 2 rows on 2 warps
+# (``finish_rows`` / ``finish_warps``: the same bits, a different grouping of rows into programs). Probe
+# run 55 (us): 14.37 vs 15.71 at M = 65, 14.46 vs 15.96 at 128.
+FINISH_SMALL_MAX_M = 128
+FINISH_SMALL = dict(finish_rows=2, finish_warps=2)
 # ``pdl`` (config key with finish="kernel"; opt-in, off in every default): the finish kernel is launched by
 # programmatic dependent launch and waits in the kernel for the projection's writes. Same bits; run 54:
 # 0.1-0.8 us faster at M = 1 ... 256 (M = 128: 15.7 vs 16.1 us), slower at prefill (1.73 vs 1.62 ms at
@@ -83,7 +88,8 @@ _PROJ_OPS = ("mhc_stats", "mhc_pre", "mhc_boundary")
 
 def untuned_config(op: str, m: int, d: int, batch_invariant: bool) -> dict:
     """The config ``tactic`` falls back to: the fixed default; at decode sizes outside batch-invariant mode
-    split 2 (when a K slice has an even number of chunks) and, up to SMALL_ROWS_MAX_M, 16-row blocks."""
+    split 2 (when a K slice has an even number of chunks), up to SMALL_ROWS_MAX_M 16-row blocks, then up
+    to FINISH_SMALL_MAX_M (``mhc_pre``) the small-row finish."""
     cfg = default_config(op)
     if batch_invariant or op not in SPLIT_OPS or m > SPLIT2_MAX_M or "split" in cfg:
         return cfg
@@ -93,6 +99,8 @@ def untuned_config(op: str, m: int, d: int, batch_invariant: bool) -> dict:
     cfg = dict(cfg, split=2)
     if op in _PROJ_OPS and m <= SMALL_ROWS_MAX_M:
         cfg.update(SMALL_ROWS)
+    elif op == "mhc_pre" and m <= FINISH_SMALL_MAX_M and cfg.get("finish") == "kernel":
+        cfg.update(FINISH_SMALL)
     return cfg
 
 

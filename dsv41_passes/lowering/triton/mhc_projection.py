@@ -403,7 +403,9 @@ def _launch_proj(
     finish_last = finish == "last"
     count = torch.zeros(nblocks if finish_last else 0, dtype=torch.int32, device=dev)
     _, bk = slice_geometry(d)
-    fb = stats_rows(bm, npart)
+    fb = int(cfg.get("finish_rows", stats_rows(bm, npart)))  # rows a stats program takes
+    if fb < 1 or fb > bm or bm % fb or fb & (fb - 1):
+        raise ValueError(f"Triton {op}: finish_rows must be a power of two dividing BLOCK_M {bm}, got {fb}")
     # pdl (finish="kernel"): the finish is launched while the projection runs (its launch latency hidden)
     # and waits in the kernel for the projection's writes
     pdl = finish == "kernel" and bool(cfg.get("pdl", False)) and PDL_SUPPORTED and dev.type == "cuda"
