@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import dsv41_passes, torch, triton, matplotlib" 2>/dev/null; then
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import dsv41_passes, torch, triton, matplotlib, xdist" 2>/dev/null; then
   "$PY" -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   # pin the CPU torch first so the open range in pyproject does not pull a multi-GB CUDA build
@@ -17,6 +17,7 @@ cmd=${1:-demo}
 shift || true
 case "$cmd" in
   demo) exec .venv/bin/python -m dsv41_passes inspect --model tiny "$@" ;;
-  test) exec .venv/bin/python -m pytest -q "$@" ;;
+  # one worker per core, at most TEST_JOBS (default 2: the interpreter tests are single-threaded)
+  test) exec .venv/bin/python -m pytest -q -n "$(.venv/bin/python -c "import os; print(min(len(os.sched_getaffinity(0)), int(os.environ.get('TEST_JOBS', 2))))")" "$@" ;;
   *) echo "usage: bash scripts/run.sh {demo|test} [args]" >&2; exit 2 ;;
 esac
