@@ -53,6 +53,23 @@ def _median_ms(fn: Callable[[], Any], reps: int) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(start, end))
 
 
+def kernel_times_us(fn: Callable[[], Any], calls: int = 20) -> dict[str, tuple[float, int]]:
+    """Device time of each kernel ``fn`` launches (torch.profiler): name -> (median us, launches a call)."""
+    from collections import defaultdict
+
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per = defaultdict(list)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name].append(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total)
+    return {k: (statistics.median(v), len(v) // calls) for k, v in per.items()}
+
+
 def time_ms(fn: Callable[[], Any], graph: bool = True, reps: int = 30, inner: int | None = None) -> float:
     """Median milliseconds per call of ``fn`` (CUDA-graph replay unless ``graph=False``).
 

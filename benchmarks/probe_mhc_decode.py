@@ -8,32 +8,20 @@ bits), then timed as a CUDA-graph replay, with the device time of each of its tw
 
 from __future__ import annotations
 
-import statistics
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import time_ms  # noqa: E402
+from benchmarks.common import kernel_times_us, time_ms  # noqa: E402
 
 ITERS, EPS = 20, 1e-6
 
 
 def kernel_us(fn) -> str:
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-    per = defaultdict(list)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            per[e.name].append(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total)
-    return " + ".join(f"{k.strip('_')[:8]} {statistics.median(v):.2f}" for k, v in per.items())
+    return " + ".join(f"{k.strip('_')[:8]} {us:.2f}" for k, (us, _) in kernel_times_us(fn).items())
 
 
 def float64_err(t, out) -> float:

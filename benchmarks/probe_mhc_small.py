@@ -6,14 +6,12 @@
 
 from __future__ import annotations
 
-import statistics
 import sys
-from collections import defaultdict
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import kernel_times_us  # noqa: E402
 
 
 def main() -> None:
@@ -30,17 +28,7 @@ def main() -> None:
                                               batch_invariant=False),
         }
         for name, fn in calls.items():
-            fn()
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(20):
-                    fn()
-                torch.cuda.synchronize()
-            per = defaultdict(list)
-            for e in prof.events():
-                if e.device_type == torch.autograd.DeviceType.CUDA:
-                    per[e.name].append(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total)
-            parts = ", ".join(f"{k[:28]} {statistics.median(v):.2f} us x{len(v) // 20}" for k, v in per.items())
+            parts = ", ".join(f"{k[:28]} {us:.2f} us x{n}" for k, (us, n) in kernel_times_us(fn).items())
             print(f"M={m:5d} {name:9} {parts}", flush=True)
 
 

@@ -330,6 +330,9 @@ def test_bad_split_is_rejected():
             run(t, config=dict(tk.default_config(op), split=2))
     with pytest.raises(ValueError, match="split must be"):
         pre_op(make_inputs(4, 1024, seed=1), config=dict(tk.default_config("mhc_pre"), split=5))
+    for rows in (0, 3, 2 * tk.default_config("mhc_pre")["BLOCK_M"]):  # stats rows of the finish
+        with pytest.raises(ValueError, match="finish_rows must be"):
+            pre_op(t, config=dict(tk.default_config("mhc_pre"), finish_rows=rows))
 
 
 def test_unknown_finish_is_rejected():

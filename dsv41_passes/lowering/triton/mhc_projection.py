@@ -83,7 +83,7 @@ def _partial_group(ws_ptr, slot0, rr, rmask, c0, BM: tl.constexpr, FB: tl.conste
     sp = tl.arange(0, NP2)
     c4 = tl.arange(0, 4)
     off = ((slot0 + sp[None, :, None]) * BM + rr[:, None, None]) * _NMIX + c0 + c4[None, None, :]
-    ok = rmask[:, None, None] & (sp[None, :, None] < NPART) & (c4[None, None, :] < 4)
+    ok = rmask[:, None, None] & (sp[None, :, None] < NPART)  # broadcast over the 4 columns
     t = tl.permute(tl.load(ws_ptr + off, mask=ok, other=0.0, cache_modifier=".cg"), (0, 2, 1))
     return tl.reshape(pairwise_row_sum(tl.reshape(t, (FB * 4, NP2)), FB * 4, NP2), (FB, 4))
 
@@ -106,14 +106,17 @@ def stats_rows(bm: int, npart: int) -> int:
 
 @triton.jit
 def _finish_stats(
-    ws_ptr, ss_ptr, slot0, rr, rows, rmask, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, mix_ptr,
+    ws_ptr, ss_ptr, rb, rr, M, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, mix_ptr,
     iters, hc_eps, norm_eps, K: tl.constexpr, BM: tl.constexpr, FB: tl.constexpr, MIXES: tl.constexpr,
     NPART: tl.constexpr, NP2: tl.constexpr,
 ):
-    """For FB rows of one row block (``rr``: their index in the block; all its partials are in): the sum
+    """For FB rows of row block ``rb`` (``rr``: their index in the block; all its partials are in): the sum
     of the NPART partials (a pairwise tree over them, ``_partial_group``), rsqrt, pre/post, softmax +
     Sinkhorn. The partials are read as a few wide tiles, masked to the live rows: the loads of one
     partial at a time had ~20 in flight and made the latency of the program (M = 1: 9.7 us for 32)."""
+    slot0 = rb * NPART
+    rows = rb * BM + rr
+    rmask = rows < M
     c4 = tl.arange(0, 4)
     t_pre = _partial_group(ws_ptr, slot0, rr, rmask, 0, BM, FB, NPART, NP2)
     t_post = _partial_group(ws_ptr, slot0, rr, rmask, 4, BM, FB, NPART, NP2)
@@ -186,7 +189,8 @@ def _norm4(a, b, c, d, eps):
 
 @triton.jit
 def _softmax_cols(z, hc_eps, BM: tl.constexpr):
-    """Row softmax of a [BM, 4] tile, plus ``hc_eps``, as its four columns [BM] (``_softmax4``'s values)."""
+    """Row softmax of a [BM, 4] tile, plus ``hc_eps``, as its four columns [BM] (the sum as
+    ``pairwise_row_sum`` sums 4)."""
     lo, hi = tl.split(tl.reshape(z, (BM, 2, 2)))  # columns (0, 2) and (1, 3)
     z0, z2 = tl.split(lo)
     z1, z3 = tl.split(hi)
@@ -308,8 +312,8 @@ def _proj_kernel(
         slot0 = rb * NPART
         for q in tl.static_range(BM // FB):
             rq = q * FB + tl.arange(0, FB)
-            _finish_stats(ws_ptr, ss_ptr, slot0, rq, rb * BM + rq, rb * BM + rq < M, scale_ptr, base_ptr, pre_ptr,
-                          post_ptr, comb_ptr, mix_ptr, iters, hc_eps, norm_eps, K, BM, FB, MIXES, NPART, NP2)
+            _finish_stats(ws_ptr, ss_ptr, rb, rq, M, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, mix_ptr,
+                          iters, hc_eps, norm_eps, K, BM, FB, MIXES, NPART, NP2)
         if NORM:
             xs = _norm_sumsq(xss_ptr, slot0, r, rmask, BM, NPART, ".cg")
             _normalize_rows(x_ptr, w_ptr, rows, rmask, stride_x, xs, eps, D, XB, ".cg", INTERP)
@@ -337,8 +341,8 @@ def _finish_kernel(
     slot0 = rb * NPART
     if part >= PARTS:  # stats of rows [q * FB, (q + 1) * FB) of the block
         rq = (part - PARTS) * FB + tl.arange(0, FB)
-        _finish_stats(ws_ptr, ss_ptr, slot0, rq, rb * BM + rq, rb * BM + rq < M, scale_ptr, base_ptr, pre_ptr,
-                      post_ptr, comb_ptr, mix_ptr, iters, hc_eps, norm_eps, 4 * D, BM, FB, MIXES, NPART, NP2)
+        _finish_stats(ws_ptr, ss_ptr, rb, rq, M, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, mix_ptr,
+                      iters, hc_eps, norm_eps, 4 * D, BM, FB, MIXES, NPART, NP2)
     elif NORM:
         xs = _norm_sumsq(xss_ptr, slot0, r, rmask, BM, NPART, "")
         _normalize_cols(x_ptr, w_ptr, rows, rmask, stride_x, xs, eps, part * NC * XB, NC, D, XB, "", INTERP)
