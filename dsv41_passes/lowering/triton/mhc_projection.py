@@ -98,21 +98,6 @@ def _norm_sumsq(xss_ptr, slot0, r, rmask, BM: tl.constexpr, NPART: tl.constexpr,
     return xs
 
 
-FINISHES = ("last", "kernel", "exchange")
-
-
-def exchange_rows(bm: int, npart: int) -> int:
-    """Rows of stats each program takes with finish="exchange" (EFB): the least power of two with which the
-    NPART programs of a row block cover its BM rows."""
-    return triton.next_power_of_2(-(-bm // npart))
-
-
-def exchange_cols(cols: int, bm: int) -> int:
-    """Columns a step of the exchange norm of a piece of ``cols`` columns (XE): the largest power of two
-    dividing it, <= 4096 elements a tile."""
-    return max(1, min(cols & -cols, 4096 // bm))
-
-
 def stats_rows(bm: int, npart: int) -> int:
     """Rows a stats program of the finish takes (FB): its partial tiles stay <= 2048 values each."""
     np2 = triton.next_power_of_2(npart)
@@ -235,18 +220,12 @@ def _proj_kernel(
     D: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, XB: tl.constexpr,
     BOUNDARY: tl.constexpr, COLLAPSE: tl.constexpr, NORM: tl.constexpr, MIXES: tl.constexpr,
     FINISH: tl.constexpr, SPLIT: tl.constexpr, FB: tl.constexpr, NP2: tl.constexpr, PDL: tl.constexpr,
-    EXCHANGE: tl.constexpr, TICKET: tl.constexpr, EFB: tl.constexpr, XE: tl.constexpr, INTERP: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     """One (row block, K slice, piece) per program; the last program of a row block to finish reduces it
     (FINISH; otherwise ``_finish_kernel``, launched next, does). SPLIT: each K slice is cut into SPLIT
     pieces of whole chunks with a partial each (fewer instructions a program at decode sizes; the
     partials are summed in (slice, piece) order, so SPLIT > 1 rounds differently from SPLIT = 1).
-
-    EXCHANGE: the programs of a row block wait for each other (an arrival counter) and then each finishes
-    its share: the stats of EFB rows and the norm of its own columns of x, re-read from L2 (no second
-    launch, no HBM round trip of the un-normalized x; the same arithmetic, so the same bits). TICKET:
-    programs take their (row block, slice, piece) from a counter in start order, so every program a
-    running one waits for has started (no deadlock when the grid exceeds what the GPU holds at once).
 
     BOUNDARY: h is ``post(y, res, post_in, comb_in)``, computed here and written once to new_ptr.
     COLLAPSE: also ``x = bf16(sum_j pre_prev_j h_j)`` (NORM: then RMSNorm of x, finished in place).
@@ -257,10 +236,7 @@ def _proj_kernel(
     K: tl.constexpr = 4 * D
     NPART: tl.constexpr = _S * SPLIT
     CPP: tl.constexpr = DS // BK // SPLIT  # chunks a piece
-    if TICKET:  # counter 0 hands out work in start order; row block rb's arrivals count at 1 + rb
-        pid = tl.atomic_add(count_ptr, 1, sem="relaxed", scope="gpu").to(tl.int64)
-    else:
-        pid = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(0).to(tl.int64)
     rb = pid // NPART
     s = pid % NPART // SPLIT
     piece = pid % SPLIT
@@ -327,21 +303,6 @@ def _proj_kernel(
     tl.store(ss_ptr + pid * BM + r, pairwise_row_sum(ssq, BM, BK))
     if NORM:
         tl.store(xss_ptr + pid * BM + r, pairwise_row_sum(xsq, BM, BK))
-    if EXCHANGE:
-        tl.debug_barrier()  # every thread's partials (and x) before the arrival
-        seen = tl.atomic_add(count_ptr + 1 + rb, 1, sem="acq_rel", scope="gpu") + 1
-        while seen < NPART:
-            seen = tl.atomic_add(count_ptr + 1 + rb, 0, sem="acquire", scope="gpu")
-        tl.debug_barrier()  # the acquire (one thread's) before every thread's reads
-        j = pid % NPART
-        if j * EFB < BM:  # stats of rows [j * EFB, (j + 1) * EFB) of the block
-            _finish_stats(ws_ptr, ss_ptr, rb, j * EFB + tl.arange(0, EFB), M, scale_ptr, base_ptr, pre_ptr,
-                          post_ptr, comb_ptr, mix_ptr, iters, hc_eps, norm_eps, K, BM, EFB, MIXES, NPART, NP2)
-        if NORM:  # this program's columns of x
-            xs = _norm_sumsq(xss_ptr, rb * NPART, r, rmask, BM, NPART, ".cg")
-            _normalize_cols(x_ptr, w_ptr, rows, rmask, stride_x, xs, eps, s * DS + piece * CPP * BK,
-                            CPP * BK // XE, D, XE, ".cg", INTERP)
-        return
     if not FINISH:
         return
     # the last program of this row block to get here reduces it (all its partials are then visible)
@@ -440,19 +401,12 @@ def _launch_proj(
     xss = torch.empty_like(ss) if norm else ss
     # finish: "last" = the last slice program of a row block reduces it (arrival counters);
     # "kernel" = a second launch does (no counters to zero)
-    # "exchange" = the slice programs of a row block wait for each other, then finish it together
     finish = cfg.get("finish", "last")
-    if finish not in FINISHES:
-        raise ValueError(f"Triton {op}: finish must be one of {FINISHES}, got {finish!r}")
-    if finish == "exchange" and INTERPRET:
-        raise ValueError(f"Triton {op}: finish='exchange' needs a GPU (its programs wait for each other; the "
-                         "interpreter runs them one at a time)")
-    finish_last, exchange = finish == "last", finish == "exchange"
-    grid = nblocks * npart
-    # exchange: work taken by ticket when the grid may exceed what the GPU runs at once
-    ticket = exchange and grid > _sm_count(dev)
-    count = torch.zeros(nblocks if finish_last else 1 + nblocks if exchange else 0, dtype=torch.int32, device=dev)
-    ds, bk = slice_geometry(d)
+    if finish not in ("last", "kernel"):
+        raise ValueError(f"Triton {op}: finish must be 'last' or 'kernel', got {finish!r}")
+    finish_last = finish == "last"
+    count = torch.zeros(nblocks if finish_last else 0, dtype=torch.int32, device=dev)
+    _, bk = slice_geometry(d)
     fb = int(cfg.get("finish_rows", stats_rows(bm, npart)))  # rows a stats program takes
     if fb < 1 or fb > bm or bm % fb or fb & (fb - 1):
         raise ValueError(f"Triton {op}: finish_rows must be a power of two dividing BLOCK_M {bm}, got {fb}")
@@ -462,7 +416,7 @@ def _launch_proj(
     dummy = out["pre"]
     new_res = out.get("new_res", dummy)
     x = out.get("x", dummy)
-    _proj_kernel[(grid,)](
+    _proj_kernel[(nblocks * npart,)](
         h, y if boundary else dummy, post_in.contiguous() if boundary else dummy,
         comb_in.contiguous() if boundary else dummy, new_res,
         pre_prev.contiguous() if collapse else dummy, x, weight.contiguous() if norm else dummy,
@@ -473,9 +427,8 @@ def _launch_proj(
         x.stride(0) if collapse else 0,
         int(iters), float(hc_eps), float(norm_eps), float(eps),
         D=d, BK=bk, BM=bm, XB=_norm_block(d, bm), BOUNDARY=boundary, COLLAPSE=collapse, NORM=norm, MIXES=mixes,
-        FINISH=finish_last, SPLIT=split, FB=fb, NP2=triton.next_power_of_2(npart), PDL=pdl,
-        EXCHANGE=exchange, TICKET=ticket, EFB=exchange_rows(bm, npart), XE=exchange_cols(ds // split, bm),
-        INTERP=INTERPRET, num_warps=cfg["num_warps"],
+        FINISH=finish_last, SPLIT=split, FB=fb, NP2=triton.next_power_of_2(npart), PDL=pdl, INTERP=INTERPRET,
+        num_warps=cfg["num_warps"],
         num_stages=cfg.get("num_stages", 3),
         **LAUNCH_OPTIONS,
     )
