@@ -25,6 +25,8 @@ def _sm90_builds(d: int = 5120) -> tuple[list[str], list[dict]]:
         types = {n: ("*bf16" if n in bf16 else "*i32" if n == "count_ptr" else "*fp32") for n in pointers}
         types |= {n: "fp32" for n in floats}
         aligned = ["stride_h", "stride_y", "stride_n", "stride_x", "stride_r", "stride_o"]
+        if kernel == "_finish_kernel":  # the (row block, part) norm layout unless a build sets RX
+            consts = dict(RX=0) | consts
         names.append(name)
         builds.append(dict(module=module, kernel=kernel, types=types, aligned=aligned, constexprs=consts,
                            options={**tk.LAUNCH_OPTIONS, **options}))
@@ -69,6 +71,14 @@ def _sm90_builds(d: int = 5120) -> tuple[list[str], list[dict]]:
             dict(D=d, BM=bm, XB=xb, NC=d // xb // parts, NORM=True, MIXES=False, NPART=npart, PARTS=parts,
                  FB=fb(bm, npart), NP2=npart, PDL=False, INTERP=False),
             module="dsv41_passes.lowering.triton.mhc_projection", num_warps=4)
+    from dsv41_passes.lowering.triton.mhc_projection import NORM_ROWS, norm_cols
+
+    xw = norm_cols(d, NORM_ROWS)
+    add("finish kernel row-major norm", "_finish_kernel",
+        "x_ptr w_ptr scale_ptr base_ptr pre_ptr post_ptr comb_ptr mix_ptr ws_ptr ss_ptr xss_ptr".split(), floats,
+        dict(D=d, BM=bm, XB=xw, NC=1, NORM=True, MIXES=False, NPART=16, PARTS=0, FB=fb(bm, 16), NP2=16,
+             PDL=False, RX=NORM_ROWS, INTERP=False),
+        module="dsv41_passes.lowering.triton.mhc_projection", num_warps=4)
     cfg = tk.DEFAULTS["mhc_boundary"]
     add("boundary", "_proj_kernel", proj_ptrs, floats,
         dict(D=d, BK=bk, BM=cfg["BLOCK_M"], XB=tk._norm_block(d, cfg["BLOCK_M"]), BOUNDARY=True, COLLAPSE=True,
@@ -126,7 +136,7 @@ def test_triton_sm90_builds_one_wgmma_shape_and_no_fma():
     assert usage and usage["STACK"] == 0 and usage["REG"] <= 255, usage
     for n in ("collapse norm=False", "collapse norm=True", "post", "finish kernel 16 partials",
               "finish kernel 32 partials", "pre finish=kernel split=2", "decode pre 16x4 split=2",
-              "decode boundary 16x4 split=2", "decode finish kernel"):
+              "decode boundary 16x4 split=2", "decode finish kernel", "finish kernel row-major norm"):
         assert built[n]["usage"]["STACK"] == 0, (n, built[n]["usage"])
     from dsv41_passes.lowering.triton.mhc_projection import _gdc_wait
 

@@ -278,12 +278,14 @@ def test_finish_kernel_gives_the_last_arriver_bits(weight):
     assert _finish_parts(D, _norm_block(D, 128)) >= 2
     t = make_inputs(150, D, seed=9)
     # 2 row blocks (one column block a normalizing program) and 10 row blocks (<= 16 column parts)
+    # and the row-major norm layout of prefill sizes (``norm_rows`` rows a program; 150 is no multiple of 4)
     for last in (dict(BLOCK_M=128, num_warps=4, num_stages=1), dict(BLOCK_M=16, num_warps=1, num_stages=1)):
-        kern = dict(last, finish="kernel")
-        for name, fn in (("stats", lambda **kw: stats(t, **kw)), ("pre", lambda **kw: pre_op(t, weight, **kw)),
-                         ("boundary", lambda **kw: boundary_op(t, weight, **kw))):
-            for i, (a, b) in enumerate(zip(fn(config=last), fn(config=kern))):
-                assert_equal(a, b, f"{name} output {i} {last}")
+        for kern in (dict(last, finish="kernel"), dict(last, finish="kernel", norm_rows=4),
+                     dict(last, finish="kernel", norm_rows=16)):
+            for name, fn in (("stats", lambda **kw: stats(t, **kw)), ("pre", lambda **kw: pre_op(t, weight, **kw)),
+                             ("boundary", lambda **kw: boundary_op(t, weight, **kw))):
+                for i, (a, b) in enumerate(zip(fn(config=last), fn(config=kern))):
+                    assert_equal(a, b, f"{name} output {i} {kern}")
 
 
 @pytest.mark.parametrize("finish,rows", [("last", None), ("kernel", None), ("kernel", 16)])
@@ -333,6 +335,9 @@ def test_bad_split_is_rejected():
     for rows in (0, 3, 2 * tk.default_config("mhc_pre")["BLOCK_M"]):  # stats rows of the finish
         with pytest.raises(ValueError, match="finish_rows must be"):
             pre_op(t, config=dict(tk.default_config("mhc_pre"), finish_rows=rows))
+    for rows in (3, 2 * tk.default_config("mhc_pre")["BLOCK_M"]):  # rows of a row-major norm program
+        with pytest.raises(ValueError, match="norm_rows must be"):
+            pre_op(t, config=dict(tk.default_config("mhc_pre"), finish="kernel", norm_rows=rows))
 
 
 def test_unknown_finish_is_rejected():
@@ -367,7 +372,8 @@ def test_decode_sizes_split_k_slices_in_two_outside_batch_invariant_mode():
         if op == "mhc_collapse":
             assert small == above == dict(tk.default_config(op), split=2)
         else:
-            assert small == dict(tk.default_config(op), split=2, **SMALL_ROWS)
+            last = dict(finish="last") if op == "mhc_stats" else {}  # the stats' decode finish
+            assert small == dict(tk.default_config(op), split=2, **SMALL_ROWS, **last)
             finish = FINISH_SMALL if op == "mhc_pre" and tk.default_config(op).get("finish") == "kernel" else {}
             assert above == dict(tk.default_config(op), split=2, **finish)
             assert untuned_config(op, FINISH_SMALL_MAX_M + 1, 5120, False) == dict(tk.default_config(op), split=2)
@@ -377,6 +383,7 @@ def test_decode_sizes_split_k_slices_in_two_outside_batch_invariant_mode():
         assert untuned_config(op, 1, 5120, True) == tk.default_config(op)
         assert untuned_config(op, 1, D, False).get("split", 1) == 1  # hidden 64: one 4-column chunk a slice
     assert "split" not in untuned_config("mhc_post", 1, 5120, False)
+    assert tk.default_config("mhc_stats")["finish"] == "kernel"
 
 
 def test_empty_batch():

@@ -484,7 +484,7 @@ def mhc_pre(h, pre_prev, sliced, scale, base, weight, iters, hc_eps, norm_eps, e
             x, weight, scale.contiguous(), base.contiguous(), pre, post, comb, mix, ws, ss, ss,
             m, x.stride(0), int(iters), float(hc_eps), float(norm_eps), float(eps),
             D=d, BM=BM, XB=1, NC=1, NORM=False, MIXES=mixes, NPART=NUM_SLICES, PARTS=0,
-            FB=fb, NP2=NUM_SLICES, PDL=False, INTERP=INTERPRET, num_warps=4, **LAUNCH_OPTIONS,
+            FB=fb, NP2=NUM_SLICES, PDL=False, RX=0, INTERP=INTERPRET, num_warps=4, **LAUNCH_OPTIONS,
         )
     out = (x, pre, post, comb)
     return (*out, mix) if mixes else out

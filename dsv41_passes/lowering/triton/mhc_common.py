@@ -29,11 +29,13 @@ _NP = tl.constexpr(NP)
 # 1.45 or 1.60 ms depending on where the output landed: run22-probe_harness.log).
 # finish="kernel": the reduction + norm of pre and boundary run as a second launch spread over
 # (row block, column part) programs instead of by the last slice program of each row block (same
-# bits; pre 1.75 vs 1.86 ms at M = 65536, 0.025 vs 0.056 ms at 128: run14-quick_check-mhc.log).
+# bits; pre 1.75 vs 1.86 ms at M = 65536, 0.025 vs 0.056 ms at 128: run14-quick_check-mhc.log). The stats
+# alone likewise (run 58: 17.2 vs 36.0 us at M = 128, 0.080 vs 0.099 ms at 4096, 1.09 vs 1.14 at 65536);
+# up to SMALL_ROWS_MAX_M their untuned config keeps the last-arriver finish (11.8 vs 13.9 us at M = 1).
 DEFAULTS: dict[str, dict] = {
     "mhc_post": dict(BLOCK_R=4, BLOCK_D=1024, num_warps=8),
     "mhc_collapse": dict(BLOCK_R=32, num_warps=4),
-    "mhc_stats": dict(BLOCK_M=64, num_warps=4, num_stages=3),
+    "mhc_stats": dict(BLOCK_M=64, num_warps=4, num_stages=3, finish="kernel"),
     "mhc_pre": dict(BLOCK_M=64, num_warps=4, num_stages=3, finish="kernel"),
     "mhc_boundary": dict(BLOCK_M=64, num_warps=4, num_stages=4, finish="kernel"),
 }
@@ -42,7 +44,7 @@ DEFAULTS: dict[str, dict] = {
 INTERPRETER_DEFAULTS: dict[str, dict] = {
     "mhc_post": dict(BLOCK_R=64, BLOCK_D=1024, num_warps=4),
     "mhc_collapse": dict(BLOCK_R=256, num_warps=4),
-    "mhc_stats": dict(BLOCK_M=512, num_warps=8, num_stages=1),
+    "mhc_stats": dict(BLOCK_M=512, num_warps=8, num_stages=1, finish="kernel"),
     "mhc_pre": dict(BLOCK_M=512, num_warps=8, num_stages=1, finish="kernel"),
     "mhc_boundary": dict(BLOCK_M=512, num_warps=8, num_stages=1, finish="kernel"),
 }
@@ -88,8 +90,9 @@ _PROJ_OPS = ("mhc_stats", "mhc_pre", "mhc_boundary")
 
 def untuned_config(op: str, m: int, d: int, batch_invariant: bool) -> dict:
     """The config ``tactic`` falls back to: the fixed default; at decode sizes outside batch-invariant mode
-    split 2 (when a K slice has an even number of chunks), up to SMALL_ROWS_MAX_M 16-row blocks, then up
-    to FINISH_SMALL_MAX_M (``mhc_pre``) the small-row finish."""
+    split 2 (when a K slice has an even number of chunks), up to SMALL_ROWS_MAX_M 16-row blocks (and for
+    ``mhc_stats`` the last-arriver finish), then up to FINISH_SMALL_MAX_M (``mhc_pre``) the small-row
+    finish."""
     cfg = default_config(op)
     if batch_invariant or op not in SPLIT_OPS or m > SPLIT2_MAX_M or "split" in cfg:
         return cfg
@@ -99,6 +102,8 @@ def untuned_config(op: str, m: int, d: int, batch_invariant: bool) -> dict:
     cfg = dict(cfg, split=2)
     if op in _PROJ_OPS and m <= SMALL_ROWS_MAX_M:
         cfg.update(SMALL_ROWS)
+        if op == "mhc_stats":
+            cfg["finish"] = "last"
     elif op == "mhc_pre" and m <= FINISH_SMALL_MAX_M and cfg.get("finish") == "kernel":
         cfg.update(FINISH_SMALL)
     return cfg

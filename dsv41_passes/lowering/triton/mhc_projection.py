@@ -89,10 +89,11 @@ def _partial_group(ws_ptr, slot0, rr, rmask, c0, BM: tl.constexpr, FB: tl.conste
 
 
 @triton.jit
-def _norm_sumsq(xss_ptr, slot0, r, rmask, BM: tl.constexpr, NPART: tl.constexpr, CACHE: tl.constexpr):
-    """The norm's sum of squares of rows ``r`` of a row block: its NPART partials in slice order, the order
-    ``mhc_collapse`` and the TileLang ``mhc_pre`` sum them in."""
-    xs = tl.zeros((BM,), tl.float32)
+def _norm_sumsq(xss_ptr, slot0, r, rmask, BM: tl.constexpr, NPART: tl.constexpr, CACHE: tl.constexpr,
+                R: tl.constexpr):
+    """The norm's sum of squares of the R rows ``r`` of a BM-row block: its NPART partials in slice order,
+    the order ``mhc_collapse`` and the TileLang ``mhc_pre`` sum them in."""
+    xs = tl.zeros((R,), tl.float32)
     for s2 in tl.static_range(NPART):
         xs += tl.load(xss_ptr + (slot0 + s2) * BM + r, mask=rmask, other=0.0, cache_modifier=CACHE)
     return xs
@@ -315,7 +316,7 @@ def _proj_kernel(
             _finish_stats(ws_ptr, ss_ptr, rb, rq, M, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, mix_ptr,
                           iters, hc_eps, norm_eps, K, BM, FB, MIXES, NPART, NP2)
         if NORM:
-            xs = _norm_sumsq(xss_ptr, slot0, r, rmask, BM, NPART, ".cg")
+            xs = _norm_sumsq(xss_ptr, slot0, r, rmask, BM, NPART, ".cg", BM)
             _normalize_rows(x_ptr, w_ptr, rows, rmask, stride_x, xs, eps, D, XB, ".cg", INTERP)
 
 
@@ -325,14 +326,33 @@ def _finish_kernel(
     M, stride_x, iters, hc_eps, norm_eps, eps,
     D: tl.constexpr, BM: tl.constexpr, XB: tl.constexpr, NC: tl.constexpr, NORM: tl.constexpr,
     MIXES: tl.constexpr, NPART: tl.constexpr, PARTS: tl.constexpr, FB: tl.constexpr, NP2: tl.constexpr,
-    PDL: tl.constexpr, INTERP: tl.constexpr,
+    PDL: tl.constexpr, RX: tl.constexpr, INTERP: tl.constexpr,
 ):
-    """The reduction of ``_proj_kernel`` (FINISH=False) as its own launch: program (row block, part < PARTS)
-    normalizes NC * XB columns of x, and programs part >= PARTS finish the stats of FB rows each. Same
-    arithmetic as the last-arriver path, spread over more programs (the serial tail of one program per
-    row block is gone)."""
+    """The reduction of ``_proj_kernel`` (FINISH=False) as its own launch; the same arithmetic as the
+    last-arriver path, spread over more programs (the serial tail of one program per row block is gone).
+
+    RX = 0 (grid (row block, part)): program part < PARTS normalizes NC * XB columns of its block's x,
+    programs part >= PARTS finish the stats of FB rows each. RX > 0 (a 1-D grid, prefill sizes): the
+    first programs finish the stats of FB rows each, then each of the others normalizes RX rows x XB
+    columns of x, in row-major order (long contiguous runs, as the post kernel reads: a 64 x 64 tile a
+    step read 128 bytes a row)."""
     if PDL:  # launched before the projection kernel ended: wait for its writes (all of them visible after)
         _gdc_wait()
+    if RX > 0:
+        pid = tl.program_id(0).to(tl.int64)
+        nstats = tl.cdiv(M, BM) * (BM // FB)
+        if pid < nstats:
+            rb = pid // (BM // FB)
+            rq = pid % (BM // FB) * FB + tl.arange(0, FB)
+            _finish_stats(ws_ptr, ss_ptr, rb, rq, M, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, mix_ptr,
+                          iters, hc_eps, norm_eps, 4 * D, BM, FB, MIXES, NPART, NP2)
+        elif NORM:
+            q = pid - nstats
+            xrows = q // (D // XB) * RX + tl.arange(0, RX)  # RX divides BM: rows of one row block
+            xs = _norm_sumsq(xss_ptr, xrows // BM * NPART, xrows % BM, xrows < M, BM, NPART, "", RX)
+            _normalize_cols(x_ptr, w_ptr, xrows, xrows < M, stride_x, xs, eps, q % (D // XB) * XB, 1, D, XB, "",
+                            INTERP)
+        return
     rb = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     r = tl.arange(0, BM)
@@ -344,7 +364,7 @@ def _finish_kernel(
         _finish_stats(ws_ptr, ss_ptr, rb, rq, M, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, mix_ptr,
                       iters, hc_eps, norm_eps, 4 * D, BM, FB, MIXES, NPART, NP2)
     elif NORM:
-        xs = _norm_sumsq(xss_ptr, slot0, r, rmask, BM, NPART, "")
+        xs = _norm_sumsq(xss_ptr, slot0, r, rmask, BM, NPART, "", BM)
         _normalize_cols(x_ptr, w_ptr, rows, rmask, stride_x, xs, eps, part * NC * XB, NC, D, XB, "", INTERP)
 
 
@@ -354,6 +374,17 @@ def _sm_count(dev: torch.device) -> int:
     if dev.type != "cuda":
         return 132
     return torch.cuda.get_device_properties(dev).multi_processor_count
+
+
+# Rows a norm program of the finish takes at prefill sizes (config key ``norm_rows``), with ``norm_cols``
+# columns: the post kernel's tile (4 x 1024), which reads at 97% of the copy bandwidth (run 24).
+NORM_ROWS = 4
+
+
+def norm_cols(d: int, rows: int) -> int:
+    """Columns of a row-major norm program of ``rows`` rows: the largest power of two dividing ``d``,
+    <= 1024 and <= 4096 elements a tile."""
+    return max(1, min(d & -d, 1024, 4096 // rows))
 
 
 def _finish_parts(d: int, xb: int) -> int:
@@ -433,15 +464,22 @@ def _launch_proj(
         **LAUNCH_OPTIONS,
     )
     if finish == "kernel":
-        xb = _norm_block(d, bm)
-        # one column block a program when few row blocks (decode: one load latency, not NC), else <= 16
-        parts_n = (d // xb if nblocks * 16 < _sm_count(dev) else _finish_parts(d, xb)) if norm else 0
-        _finish_kernel[(nblocks, parts_n + bm // fb)](
+        # norm layout: (row block, column part) programs when few row blocks (decode: one column block a
+        # program, one load latency), else ``norm_rows`` rows x a wide column block a program, row-major
+        wide = nblocks * 16 >= _sm_count(dev)
+        rx = int(cfg.get("norm_rows", NORM_ROWS if wide else 0)) if norm else 0
+        if rx and (rx > bm or bm % rx or rx & (rx - 1)):
+            raise ValueError(f"Triton {op}: norm_rows must be a power of two dividing BLOCK_M {bm}, got {rx}")
+        xb = norm_cols(d, rx) if rx else _norm_block(d, bm)
+        parts_n = 0 if rx or not norm else d // xb if not wide else _finish_parts(d, xb)
+        grid = ((nblocks * (bm // fb) + (triton.cdiv(m, rx) * (d // xb) if rx else 0),) if rx
+                else (nblocks, parts_n + bm // fb))
+        _finish_kernel[grid](
             x, weight.contiguous() if norm else dummy, scale.contiguous(), base.contiguous(),
             out["pre"], out["post"], out["comb"], out.get("mixes", dummy), ws, ss, xss,
             m, x.stride(0) if collapse else 0, int(iters), float(hc_eps), float(norm_eps), float(eps),
             D=d, BM=bm, XB=xb, NC=d // xb // max(parts_n, 1), NORM=norm, MIXES=mixes, NPART=npart, PARTS=parts_n,
-            FB=fb, NP2=triton.next_power_of_2(npart), PDL=pdl, INTERP=INTERPRET,
+            FB=fb, NP2=triton.next_power_of_2(npart), PDL=pdl, RX=rx, INTERP=INTERPRET,
             num_warps=cfg.get("finish_warps", 4), **LAUNCH_OPTIONS, **({"launch_pdl": True} if pdl else {}),
         )
     return out

@@ -1,0 +1,77 @@
+"""Layouts of the Triton mHC finish kernel, V4.1-Flash shapes: the row-major norm (``norm_rows`` rows x 1024
+columns a program) against the (row block, column part) layout at prefill sizes for ``mhc_pre``, and
+``finish="kernel"`` against the last-arriver finish for ``mhc_stats``. Each variant's outputs are compared
+bitwise with the untuned config's, then timed as a CUDA-graph replay with the device time of each kernel.
+
+    source .devsite/setup.sh && python3 benchmarks/probe_mhc_finish.py [--stats-rows] [M ...]
+
+``--stats-rows``: instead, ``mhc_pre``'s stats programs of 16 / 32 / 64 rows (``finish_rows``) at M >= 4096.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import kernel_times_us, time_ms  # noqa: E402
+
+ITERS, EPS, D = 20, 1e-6, 5120
+
+
+def variants(op: str, m: int) -> dict[str, dict]:
+    from dsv41_passes.lowering.triton.mhc_common import untuned_config
+
+    base = untuned_config(op, m, D, False)
+    out = {"untuned": base}
+    if "--stats-rows" in sys.argv:
+        if op == "mhc_pre" and m >= 4096:
+            out |= {f"finish_rows {fr}": dict(base, finish_rows=fr) for fr in (16, 32, 64)}
+    elif op == "mhc_stats":
+        out["finish kernel"] = dict(base, finish="kernel")
+    elif m >= 4096:
+        for rx in (0, 1, 2, 4, 8, 16):
+            out[f"norm_rows {rx}"] = dict(base, norm_rows=rx)
+    return out
+
+
+def main() -> None:
+    import dsv41_passes  # noqa: F401
+    from benchmarks.quick_check import mhc_inputs
+    from dsv41_passes.lowering.triton import mhc as tk
+
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    sizes = [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [1, 16, 128, 256, 4096, 16384, 65536]
+    rows = []
+    for m in sizes:
+        t = mhc_inputs(m)
+        runs = {
+            "mhc_stats": lambda c: tk.mhc_stats(t["h"], t["parts"], t["scale"], t["base"], ITERS, EPS, EPS,
+                                                batch_invariant=False, config=c),
+            "mhc_pre": lambda c: tk.mhc_pre(t["h"], t["pre_prev"], t["parts"], t["scale"], t["base"], t["w"], ITERS,
+                                            EPS, EPS, EPS, batch_invariant=False, config=c),
+        }
+        for op, run in runs.items():
+            ref = None
+            for name, cfg in variants(op, m).items():
+                out = run(cfg)
+                ref = out if ref is None else ref
+                same = all(torch.equal(a, b) for a, b in zip(out, ref))
+                ms = time_ms(lambda cfg=cfg: run(cfg))
+                ks = " + ".join(f"{k.strip('_')[:8]} {us:.1f}"
+                                for k, (us, _) in kernel_times_us(lambda cfg=cfg: run(cfg)).items())
+                rows.append((m, op, name, same, f"{ms * 1e3:.2f}", ks))
+                print(*rows[-1], sep=" | ", flush=True)
+        t = runs = None
+        torch.cuda.empty_cache()
+    print("\nus per call (CUDA-graph replay); bits = all outputs equal to the untuned config's")
+    print("| M | op | config | bits | us | kernels (us) |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(str(v) for v in r) + " |")
+
+
+if __name__ == "__main__":
+    main()
