@@ -6,7 +6,6 @@ bitwise with the untuned config's, then timed as a CUDA-graph replay with the de
     source .devsite/setup.sh && python3 benchmarks/probe_mhc_finish.py [--stats-rows] [M ...]
 
 ``--stats-rows``: instead, ``mhc_pre``'s stats programs of 16 / 32 / 64 rows (``finish_rows``) at M >= 4096.
-``--tma``: instead, the projection's tiles by TMA (``tma``) against the untuned config, both ops.
 """
 
 from __future__ import annotations
@@ -28,9 +27,7 @@ def variants(op: str, m: int) -> dict[str, dict]:
 
     base = untuned_config(op, m, D, False)
     out = {"untuned": base}
-    if "--tma" in sys.argv:
-        out["tma"] = dict(base, tma=True)
-    elif "--stats-rows" in sys.argv:
+    if "--stats-rows" in sys.argv:
         if op == "mhc_pre" and m >= 4096:
             out |= {f"finish_rows {fr}": dict(base, finish_rows=fr) for fr in (16, 32, 64)}
     elif op == "mhc_stats":

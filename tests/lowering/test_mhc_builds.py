@@ -21,20 +21,18 @@ def _sm90_builds(d: int = 5120) -> tuple[list[str], list[dict]]:
     bf16 = ("h_ptr", "y_ptr", "new_ptr", "x_ptr", "parts_ptr", "res_ptr", "out_ptr")
     names, builds = [], []
 
-    def add(name, kernel, pointers, floats, consts, module=mod, descs=None, **options):
+    def add(name, kernel, pointers, floats, consts, module=mod, **options):
         types = {n: ("*bf16" if n in bf16 else "*i32" if n == "count_ptr" else "*fp32") for n in pointers}
-        types |= {n: "fp32" for n in floats} | (descs or {})
+        types |= {n: "fp32" for n in floats}
         aligned = ["stride_h", "stride_y", "stride_n", "stride_x", "stride_r", "stride_o"]
         if kernel == "_finish_kernel":  # the (row block, part) norm layout unless a build sets RX
             consts = dict(RX=0) | consts
-        if kernel == "_proj_kernel":  # the pointer loads unless a build sets TMA
-            consts = dict(TMA=False) | consts
         names.append(name)
         builds.append(dict(module=module, kernel=kernel, types=types, aligned=aligned, constexprs=consts,
                            options={**tk.LAUNCH_OPTIONS, **options}))
 
-    proj_ptrs = ("h_ptr y_ptr post_in_ptr comb_in_ptr new_ptr h_desc p_desc pre_prev_ptr x_ptr w_ptr parts_ptr "
-                 "scale_ptr base_ptr pre_ptr post_ptr comb_ptr mix_ptr ws_ptr ss_ptr xss_ptr count_ptr").split()
+    proj_ptrs = ("h_ptr y_ptr post_in_ptr comb_in_ptr new_ptr pre_prev_ptr x_ptr w_ptr parts_ptr scale_ptr base_ptr "
+                 "pre_ptr post_ptr comb_ptr mix_ptr ws_ptr ss_ptr xss_ptr count_ptr").split()
     floats = ("hc_eps", "norm_eps", "eps")
     bk = tk.slice_geometry(d)[1]
     variants = {(c["BLOCK_M"], c["num_warps"]) for c in tk.CANDIDATES["mhc_pre"]}
@@ -51,12 +49,6 @@ def _sm90_builds(d: int = 5120) -> tuple[list[str], list[dict]]:
     add("pre finish=kernel split=2", "_proj_kernel", proj_ptrs, floats,
         dict(D=d, BK=bk, BM=bm, XB=tk._norm_block(d, bm), BOUNDARY=False, COLLAPSE=True, NORM=True, MIXES=False,
              FINISH=False, SPLIT=2, FB=fb(bm, 32), NP2=32, PDL=False, INTERP=False),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    # the tma option: residual and parts tiles by TMA (host descriptors)
-    add("pre finish=kernel tma", "_proj_kernel", proj_ptrs, floats,
-        dict(D=d, BK=bk, BM=bm, XB=tk._norm_block(d, bm), BOUNDARY=False, COLLAPSE=True, NORM=True, MIXES=False,
-             FINISH=False, SPLIT=1, FB=fb(bm, 16), NP2=16, PDL=False, TMA=True, INTERP=False),
-        descs=dict(h_desc=f"tensordesc<bf16[{bm}, {bk}]>", p_desc=f"tensordesc<bf16[{bk}, 32]>"),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     # the decode configs (16-row blocks on 4 warps, split 2; mma.sync, outside batch-invariant mode)
     from dsv41_passes.lowering.triton.mhc_common import SMALL_ROWS
@@ -146,11 +138,6 @@ def test_triton_sm90_builds_one_wgmma_shape_and_no_fma():
               "finish kernel 32 partials", "pre finish=kernel split=2", "decode pre 16x4 split=2",
               "decode boundary 16x4 split=2", "decode finish kernel", "finish kernel row-major norm"):
         assert built[n]["usage"]["STACK"] == 0, (n, built[n]["usage"])
-    # tma: the tiles come in by cp.async.bulk.tensor (TMA) instead of cp.async, into the same wgmma shape
-    tma_ptx = built["pre finish=kernel tma"]["ptx"]
-    assert "cp.async.bulk.tensor" in tma_ptx and "cp.async.cg.shared.global" not in tma_ptx
-    assert "cp.async.bulk.tensor" not in built["pre finish=kernel"]["ptx"]
-    assert built["pre finish=kernel tma"]["usage"]["STACK"] == 0
     from dsv41_passes.lowering.triton.mhc_projection import _gdc_wait
 
     if _gdc_wait is not None:  # the pdl option: the projection lets the finish launch, the finish waits

@@ -38,10 +38,6 @@ try:  # programmatic dependent launch (Hopper): Triton's grid-dependency control
 except ImportError:  # pragma: no cover - older Triton
     _gdc_wait = _gdc_launch_dependents = None
 PDL_SUPPORTED = _gdc_wait is not None and not INTERPRET
-try:  # host-side TMA descriptors (the ``tma`` config option)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - older Triton
-    TensorDescriptor = None
 
 
 @triton.jit
@@ -73,23 +69,6 @@ def _dot3(a, parts_ptr, krows, acc_hi, acc_mid, acc_lo, K: tl.constexpr, INTERP:
         # zero-started dot into the MMA chain; the ``acc * 0`` start used before cost 16 FMULs a dot).
         # The mid and lo parts are below 2^-8 and 2^-16 of it, so their chains accumulate in the MMA
         # over the whole slice (error ~2^-8 smaller again; no fresh-accumulator adds, no waits).
-        acc_hi = _add_rn(acc_hi, tl.dot(a, w_hi))
-        acc_mid = tl.dot(a, w_mid, acc_mid)
-        acc_lo = tl.dot(a, w_lo, acc_lo)
-    return acc_hi, acc_mid, acc_lo
-
-
-@triton.jit
-def _dot3_desc(a, p_desc, k0, acc_hi, acc_mid, acc_lo, K: tl.constexpr, INTERP: tl.constexpr):
-    """``_dot3`` with the parts read through a TMA descriptor of ``[3 * K, NP]`` (rows k0 .. k0 + BK)."""
-    w_hi = p_desc.load([k0, 0])
-    w_mid = p_desc.load([K + k0, 0])
-    w_lo = p_desc.load([2 * K + k0, 0])
-    if INTERP:
-        acc_hi = tl.dot(a, w_hi.to(tl.float32), acc_hi, input_precision="ieee")
-        acc_mid = tl.dot(a, w_mid.to(tl.float32), acc_mid, input_precision="ieee")
-        acc_lo = tl.dot(a, w_lo.to(tl.float32), acc_lo, input_precision="ieee")
-    else:
         acc_hi = _add_rn(acc_hi, tl.dot(a, w_hi))
         acc_mid = tl.dot(a, w_mid, acc_mid)
         acc_lo = tl.dot(a, w_lo, acc_lo)
@@ -233,7 +212,7 @@ def _store4(p, a, b, c, d, mask):
 @triton.jit(do_not_specialize=["M", "iters"])
 def _proj_kernel(
     h_ptr, y_ptr, post_in_ptr, comb_in_ptr, new_ptr,
-    h_desc, p_desc, pre_prev_ptr, x_ptr, w_ptr,
+    pre_prev_ptr, x_ptr, w_ptr,
     parts_ptr, scale_ptr, base_ptr,
     pre_ptr, post_ptr, comb_ptr, mix_ptr,
     ws_ptr, ss_ptr, xss_ptr, count_ptr,
@@ -242,7 +221,7 @@ def _proj_kernel(
     D: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, XB: tl.constexpr,
     BOUNDARY: tl.constexpr, COLLAPSE: tl.constexpr, NORM: tl.constexpr, MIXES: tl.constexpr,
     FINISH: tl.constexpr, SPLIT: tl.constexpr, FB: tl.constexpr, NP2: tl.constexpr, PDL: tl.constexpr,
-    TMA: tl.constexpr, INTERP: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     """One (row block, K slice, piece) per program; the last program of a row block to finish reduces it
     (FINISH; otherwise ``_finish_kernel``, launched next, does). SPLIT: each K slice is cut into SPLIT
@@ -278,8 +257,7 @@ def _proj_kernel(
         p2 = tl.load(pre_prev_ptr + rows * 4 + 2, mask=rmask, other=0.0)[:, None]
         p3 = tl.load(pre_prev_ptr + rows * 4 + 3, mask=rmask, other=0.0)[:, None]
     for c in range(CPP):
-        col0 = s * DS + (piece * CPP + c) * BK
-        cols = col0 + tl.arange(0, BK)
+        cols = s * DS + (piece * CPP + c) * BK + tl.arange(0, BK)
         hb = h_ptr + rr * stride_h + cols[None, :]
         if BOUNDARY:
             yv = tl.load(y_ptr + rr * stride_y + cols[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -300,18 +278,11 @@ def _proj_kernel(
                 ), INTERP)
                 tl.store(new_ptr + rr * stride_n + k * D + cols[None, :], ak, mask=m2)
             else:
-                if TMA:  # rows past M come back as zeros
-                    ak = h_desc.load([(rb * BM).to(tl.int32), (k * D + col0).to(tl.int32)])
-                else:
-                    ak = tl.load(hb + k * D, mask=m2, other=0.0)
+                ak = tl.load(hb + k * D, mask=m2, other=0.0)
                 hk = ak.to(tl.float32)
             if INTERP:
                 ak = hk
-            if TMA:
-                acc_hi, acc_mid, acc_lo = _dot3_desc(ak, p_desc, (k * D + col0).to(tl.int32), acc_hi, acc_mid, acc_lo,
-                                                     K, INTERP)
-            else:
-                acc_hi, acc_mid, acc_lo = _dot3(ak, parts_ptr, k * D + cols, acc_hi, acc_mid, acc_lo, K, INTERP)
+            acc_hi, acc_mid, acc_lo = _dot3(ak, parts_ptr, k * D + cols, acc_hi, acc_mid, acc_lo, K, INTERP)
             ssq = tl.fma(hk, hk, ssq)
             if COLLAPSE:
                 if k == 0:
@@ -476,20 +447,10 @@ def _launch_proj(
     dummy = out["pre"]
     new_res = out.get("new_res", dummy)
     x = out.get("x", dummy)
-    # tma (config option): the residual and the parts tiles come in by TMA (host descriptors)
-    tma = bool(cfg.get("tma", False))
-    if tma and (boundary or TensorDescriptor is None or h.stride(0) != n * d):
-        raise ValueError(f"Triton {op}: tma needs a Triton with tensor descriptors, a contiguous residual and no "
-                         "boundary")
-    if tma:
-        h_desc = TensorDescriptor(h, [m, n * d], [h.stride(0), 1], [bm, bk])
-        p_desc = TensorDescriptor(parts, [3 * n * d, NP], [NP, 1], [bk, NP])
-    else:
-        h_desc = p_desc = dummy
     _proj_kernel[(nblocks * npart,)](
         h, y if boundary else dummy, post_in.contiguous() if boundary else dummy,
         comb_in.contiguous() if boundary else dummy, new_res,
-        h_desc, p_desc, pre_prev.contiguous() if collapse else dummy, x, weight.contiguous() if norm else dummy,
+        pre_prev.contiguous() if collapse else dummy, x, weight.contiguous() if norm else dummy,
         parts, scale.contiguous(), base.contiguous(),
         out["pre"], out["post"], out["comb"], out.get("mixes", dummy),
         ws, ss, xss, count,
@@ -497,8 +458,8 @@ def _launch_proj(
         x.stride(0) if collapse else 0,
         int(iters), float(hc_eps), float(norm_eps), float(eps),
         D=d, BK=bk, BM=bm, XB=_norm_block(d, bm), BOUNDARY=boundary, COLLAPSE=collapse, NORM=norm, MIXES=mixes,
-        FINISH=finish_last, SPLIT=split, FB=fb, NP2=triton.next_power_of_2(npart), PDL=pdl, TMA=tma,
-        INTERP=INTERPRET, num_warps=cfg["num_warps"],
+        FINISH=finish_last, SPLIT=split, FB=fb, NP2=triton.next_power_of_2(npart), PDL=pdl, INTERP=INTERPRET,
+        num_warps=cfg["num_warps"],
         num_stages=cfg.get("num_stages", 3),
         **LAUNCH_OPTIONS,
     )
