@@ -10,6 +10,7 @@ bandwidth) / time. The benchmarks proper (bench_*.py) write JSON.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -203,12 +204,14 @@ def wo_a(m: int) -> None:
         tr += [dict(BM=32, BN=128, BK=64, num_warps=4, num_stages=4, SPLIT=s) for s in (2, 4, 8)] if m <= 128 else []
         variants += [("tr " + ",".join(f"{k}={v}" for k, v in c.items()), tk, c, rd) for c in tr]
         tl_cfgs = []
+        # WO_A_BN: the tile widths of the TileLang variants (default 128,256)
+        bns = [int(b) for b in os.environ.get("WO_A_BN", "128,256").split(",")]
         for bm, t, extra in ((64, 128, dict(rope_regs=True)), (128, 256, dict(cs_regs=True))):
-            for bn in (128, 256):
+            for bn in bns:
                 for split in (1, 2, 4, 8):
                     tl_cfgs.append(dict(BM=bm, BN=bn, BK=64, stages=4 if bn == 128 or bm == 64 else 3, threads=t,
                                         one_loop=True, SPLIT=split, **extra))
-        tl_cfgs += [dict(BM=128, BN=bn, BK=64, stages=3, threads=256, one_loop=True, epi_smem=True) for bn in (128, 256)]
+        tl_cfgs += [dict(BM=128, BN=bn, BK=64, stages=3, threads=256, one_loop=True, epi_smem=True) for bn in bns]
         variants += [("tl " + ",".join(f"{k}={v}" for k, v in c.items() if k not in ("BK", "one_loop")), tw, c, rd)
                      for c in tl_cfgs]
     best = (float("inf"), "")
