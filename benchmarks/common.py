@@ -70,6 +70,11 @@ def kernel_times_us(fn: Callable[[], Any], calls: int = 20) -> dict[str, tuple[f
     return {k: (statistics.median(v), len(v) // calls) for k, v in per.items()}
 
 
+def kernel_summary(fn: Callable[[], Any]) -> str:
+    """``kernel_times_us`` as one line: "name us + name us ..." (names cut to 8 characters)."""
+    return " + ".join(f"{k.strip('_')[:8]} {us:.2f}" for k, (us, _) in kernel_times_us(fn).items())
+
+
 def time_ms(fn: Callable[[], Any], graph: bool = True, reps: int = 30, inner: int | None = None) -> float:
     """Median milliseconds per call of ``fn`` (CUDA-graph replay unless ``graph=False``).
 

@@ -15,13 +15,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import kernel_times_us, time_ms  # noqa: E402
+from benchmarks.common import kernel_summary  # noqa: E402
+from benchmarks.common import time_ms  # noqa: E402
 
 ITERS, EPS = 20, 1e-6
-
-
-def kernel_us(fn) -> str:
-    return " + ".join(f"{k.strip('_')[:8]} {us:.2f}" for k, (us, _) in kernel_times_us(fn).items())
 
 
 def float64_err(t, out) -> float:
@@ -80,7 +77,8 @@ def main() -> None:
                 else:
                     same_x = torch.equal(out[0].view(torch.int16), ref[0].view(torch.int16))
                 ms = time_ms(lambda cfg=cfg: run(cfg))
-                rows.append((m, name, f"{err:.3f}", same_x, f"{ms * 1e3:.2f}", kernel_us(lambda cfg=cfg: run(cfg))))
+                ks = kernel_summary(lambda cfg=cfg: run(cfg))
+                rows.append((m, name, f"{err:.3f}", same_x, f"{ms * 1e3:.2f}", ks))
             except Exception as e:  # a config a shape cannot take (e.g. a split that leaves no chunk)
                 rows.append((m, name, "-", "-", "-", f"{type(e).__name__}: {str(e)[:60]}"))
             print(*rows[-1], sep=" | ", flush=True)
@@ -92,7 +90,7 @@ def main() -> None:
                               batch_invariant=False)
 
         err = float64_err(t, run0()) if m <= 16384 else float("nan")
-        rows.append((m, "untuned", f"{err:.3f}", True, f"{time_ms(run0) * 1e3:.2f}", kernel_us(run0)))
+        rows.append((m, "untuned", f"{err:.3f}", True, f"{time_ms(run0) * 1e3:.2f}", kernel_summary(run0)))
         print(*rows[-1], sep=" | ", flush=True)
         pdl = dict(tk.default_config("mhc_pre"), pdl=True)
 
@@ -101,7 +99,7 @@ def main() -> None:
                               batch_invariant=False, config=pdl)
 
         same = all(torch.equal(a, b) for a, b in zip(run0(), run1()))
-        rows.append((m, "untuned + pdl", "-", same, f"{time_ms(run1) * 1e3:.2f}", kernel_us(run1)))
+        rows.append((m, "untuned + pdl", "-", same, f"{time_ms(run1) * 1e3:.2f}", kernel_summary(run1)))
         print(*rows[-1], sep=" | ", flush=True)
         t = None
         torch.cuda.empty_cache()

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import kernel_times_us, time_ms  # noqa: E402
+from benchmarks.common import kernel_summary, time_ms  # noqa: E402
 
 ITERS, EPS, D = 20, 1e-6, 5120
 
@@ -61,9 +61,7 @@ def main() -> None:
                 ref = out if ref is None else ref
                 same = all(torch.equal(a, b) for a, b in zip(out, ref))
                 ms = time_ms(lambda cfg=cfg: run(cfg))
-                ks = " + ".join(f"{k.strip('_')[:8]} {us:.1f}"
-                                for k, (us, _) in kernel_times_us(lambda cfg=cfg: run(cfg)).items())
-                rows.append((m, op, name, same, f"{ms * 1e3:.2f}", ks))
+                rows.append((m, op, name, same, f"{ms * 1e3:.2f}", kernel_summary(lambda cfg=cfg: run(cfg))))
                 print(*rows[-1], sep=" | ", flush=True)
         t = runs = None
         torch.cuda.empty_cache()

@@ -470,10 +470,13 @@ def _launch_proj(
         rx = int(cfg.get("norm_rows", NORM_ROWS if wide else 0)) if norm else 0
         if rx and (rx > bm or bm % rx or rx & (rx - 1)):
             raise ValueError(f"Triton {op}: norm_rows must be a power of two dividing BLOCK_M {bm}, got {rx}")
-        xb = norm_cols(d, rx) if rx else _norm_block(d, bm)
-        parts_n = 0 if rx or not norm else d // xb if not wide else _finish_parts(d, xb)
-        grid = ((nblocks * (bm // fb) + (triton.cdiv(m, rx) * (d // xb) if rx else 0),) if rx
-                else (nblocks, parts_n + bm // fb))
+        if rx:  # 1-D: the stats programs, then the norm programs
+            xb, parts_n = norm_cols(d, rx), 0
+            grid = (nblocks * (bm // fb) + triton.cdiv(m, rx) * (d // xb),)
+        else:  # (row block, part): PARTS norm parts, then the stats programs
+            xb = _norm_block(d, bm)
+            parts_n = 0 if not norm else _finish_parts(d, xb) if wide else d // xb
+            grid = (nblocks, parts_n + bm // fb)
         _finish_kernel[grid](
             x, weight.contiguous() if norm else dummy, scale.contiguous(), base.contiguous(),
             out["pre"], out["post"], out["comb"], out.get("mixes", dummy), ws, ss, xss,
