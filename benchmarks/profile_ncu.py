@@ -47,6 +47,8 @@ def launches(m: int) -> dict:
                                       1e-6, 1e-6, batch_invariant=False),
         "mhc_post": lambda: tm.mhc_post(t["y"], t["h"], t["post"], t["comb"], batch_invariant=False),
         "kv": lambda: rk.kv_rope_quant(kv_in, kw, 1e-6, cos, sin, 32, cache, slots, batch_invariant=False),
+        "kv_rows": lambda: rk.kv_rope_quant(kv_in, kw, 1e-6, cos, sin, 32, cache, slots, batch_invariant=False,
+                                            config=dict(BLOCK_T=1, num_warps=1, rows=True)),
         "wo_a": lambda: tw.wo_a(o, wa, cs[..., 0], cs[..., 1], 64, batch_invariant=False),
     }
 

@@ -82,19 +82,38 @@ def kv(m: int) -> None:
     base = rk.kv_rope_quant(kv_in, w, 1e-6, cos, sin, block, cache, slots, batch_invariant=True)
     roof = (3 * m * d * 2 + m * rd * 4 + m * 8) / BANDWIDTH * 1e3
     row("kv", f"roofline M={m}", "", roof)
-    configs = [rk.KV_DEFAULT, *(c for c in rk.CANDIDATES["kv_rope_quant_store"]
-                                if c["num_warps"] >= 2 and c["BLOCK_T"] in (4, 8) and not c.get("tail"))]
     def run(cfg):
         return rk.kv_rope_quant(kv_in, w, 1e-6, cos, sin, block, cache, slots, batch_invariant=False, config=cfg)
 
-    # the layout-independent sum of squares: same bits in every config (compared with the first)
-    tree = [dict(c, sum="tree") for c in (rk.KV_DEFAULT, dict(BLOCK_T=8, num_warps=4))]
-    time_configs("kv", m, roof, _names(tree), run)
-    time_configs("kv", m, roof, _names(configs), run, base)
-    # the tail option: the same bits as the same config without it
-    for cfg in (dict(BLOCK_T=4, num_warps=4), dict(BLOCK_T=8, num_warps=4), dict(BLOCK_T=4, num_warps=2),
-                dict(BLOCK_T=2, num_warps=2), dict(BLOCK_T=2, num_warps=4), dict(BLOCK_T=1, num_warps=2)):
-        time_configs("kv", m, roof, _names([dict(cfg, tail=True)]), run, run(cfg))
+    from dsv41_passes.lowering.rope_store import kv_rope_quant_reference
+
+    ref = kv_rope_quant_reference(kv_in, w, 1e-6, cos, sin, block)
+    src = torch.empty(m, 3 * d // 2 + rd + 2, dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    row("kv", f"M={m} device copy of the same bytes", "", time_ms(lambda: dst.copy_(src)))
+    # the untuned configs of the old layout, then the row layout (rows=True): bits compared with
+    # KV_DEFAULT's, and each output's element mismatches against the reference provider's
+    old = {"KV_DEFAULT": rk.KV_DEFAULT, "KV_SMALL_M": rk.KV_SMALL_M, "KV_LARGE_M": rk.KV_LARGE_M}
+    rows = {f"rows BLOCK_T={t},num_warps={nw}": dict(BLOCK_T=t, num_warps=nw, rows=True)
+            for t, nw in ((1, 1), (2, 1))}
+    rows.update({f"blocks BLOCK_T={t},num_warps={nw}{''.join(',' + k for k in x)}":
+                 dict(BLOCK_T=t, num_warps=nw, blocks=True, **x)
+                 for t, nw in ((2, 1), (1, 1), (4, 2))
+                 for x in ({}, dict(fma_sq=True), dict(clamp=False), dict(fma_sq=True, clamp=False))})
+    for name, cfg in {**old, **rows}.items():
+        out = run(cfg)
+        t = time_ms(lambda cfg=cfg: run(cfg))
+        bad = int((out.view(torch.int16) != ref.view(torch.int16)).sum())
+        row("kv", f"M={m} {name}", f"same bits {_same_bits(out, base)}, {bad} != ref", t,
+            f"{1000 * t:.2f} us, {100 * roof / t:.1f}%")
+    if m >= 2:  # what the hardware conversion does with a NaN / inf element, with and without the clamp
+        odd = kv_in.clone()
+        odd[0, 7], odd[1, 300] = float("nan"), float("inf")
+        for x in ({}, dict(clamp=False)):
+            o = rk.kv_rope_quant(odd, w, 1e-6, cos, sin, block, cache, slots, batch_invariant=False,
+                                 config=dict(BLOCK_T=2, num_warps=1, blocks=True, **x))
+            print(f"kv NaN/inf probe {x}: out[0, 6:8] = {o[0, 6:8].tolist()}, out[1, 299:302] = "
+                  f"{o[1, 299:302].tolist()}", flush=True)
 
 
 def post(m: int) -> None:

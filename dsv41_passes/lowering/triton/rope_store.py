@@ -426,6 +426,195 @@ def _kv_rope_quant_kernel(
                      stride_cache, 0, NB, HB, D, STORE, HW, False)
 
 
+@triton.jit
+def _quant_store_rows(y0, y1, t, tok_ok, slot, out_ptr, cache_ptr, S, stride_om, stride_cache,
+                      C0: tl.constexpr, WH: tl.constexpr, HB: tl.constexpr, D: tl.constexpr,
+                      BLOCK_T: tl.constexpr, STORE: tl.constexpr, HW: tl.constexpr):
+    """``_quant_store`` for ``[BLOCK_T, WH]`` tiles of words ``C0 ..`` (the row layout): the quant
+    blocks are a reshape of the row, and the stores keep the loads' 16-byte vectors."""
+    q0, q1 = _fp8_qdq_pairs(tl.reshape(y0, (BLOCK_T, WH // HB, HB)), tl.reshape(y1, (BLOCK_T, WH // HB, HB)),
+                            HW, False)
+    q0, q1 = tl.reshape(q0, (BLOCK_T, WH)), tl.reshape(q1, (BLOCK_T, WH))
+    if HW:
+        out = _cvt_bf16x2(q0, q1).to(tl.int32, bitcast=True)
+    else:
+        out = _pack_bf16x2(q0, q1, HW).to(tl.int32, bitcast=True)
+    col = C0 + tl.arange(0, WH)
+    col_ok = col < D // 2
+    tl.store(out_ptr + t[:, None] * stride_om + col[None, :], out, mask=tok_ok[:, None] & col_ok[None, :])
+    if STORE:
+        slot = tl.where(slot < 0, slot + S, slot)
+        keep = tok_ok & (slot >= 0) & (slot < S)
+        tl.store(cache_ptr + slot[:, None] * stride_cache + col[None, :], out, mask=keep[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["M", "S"])
+def _kv_rope_quant_rows_kernel(
+    kv_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, cache_ptr, M, S, eps,
+    stride_km, stride_om, stride_cm, stride_cp, stride_sm, stride_sp, stride_slot, stride_cache,
+    D: tl.constexpr, PAIR0: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
+    BLOCK_T: tl.constexpr, STORE: tl.constexpr, PAIRED: tl.constexpr, HW: tl.constexpr,
+):
+    # The ``rows`` config option: the arithmetic of the tail path, in a layout where a token's
+    # words lie along one warp's lanes (16-byte vectors) and its two halves in the same thread.
+    # The tile is [2 halves, BLOCK_T tokens, WH words]; the RoPE runs on the second half only
+    # (PAIR0 >= WH). The row sum is then in-thread adds and lane shuffles, the split into halves
+    # renames registers, and nothing goes through shared memory.
+    HB: tl.constexpr = BLOCK // 2
+    WH: tl.constexpr = NB * HB // 2
+    tl.static_assert(NB >= 2 and PAIR0 >= WH, "rows: every rotated word must lie in the second half")
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = t < M
+    col = tl.arange(0, 2)[:, None, None] * WH + tl.arange(0, WH)[None, None, :]
+    col_ok = col < D // 2
+    w = tl.load(kv_ptr + t[None, :, None] * stride_km + col, mask=tok_ok[None, :, None] & col_ok, other=0)
+    if STORE:
+        slot = tl.load(slot_ptr + t * stride_slot, mask=tok_ok, other=-1)
+    else:
+        slot = t  # never read
+    p = WH + tl.arange(0, WH) - PAIR0
+    rot = tok_ok[:, None] & ((p >= 0) & (p < D // 2 - PAIR0))[None, :]
+    if PAIRED:  # as in _rope_tables, on [BLOCK_T, WH] tiles
+        cs = tl.load(cos_ptr + t[:, None] * stride_cm + p[None, :], mask=rot, other=0)
+        c = (cs & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+        s = ((cs >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+    else:
+        c = tl.load(cos_ptr + t[:, None] * stride_cm + p[None, :] * stride_cp, mask=rot, other=0.0)
+        s = tl.load(sin_ptr + t[:, None] * stride_sm + p[None, :] * stride_sp, mask=rot, other=0.0)
+    if w_ptr.dtype.element_ty == tl.int64:
+        gw = tl.load(w_ptr + tl.broadcast_to(col, (2, BLOCK_T, WH)), mask=tl.broadcast_to(col_ok, (2, BLOCK_T, WH)), other=0)
+        g0 = (gw & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+        g1 = ((gw >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+    else:
+        g0 = tl.load(w_ptr + 2 * tl.broadcast_to(col, (2, BLOCK_T, WH)), mask=tl.broadcast_to(col_ok, (2, BLOCK_T, WH)), other=0.0)
+        g1 = tl.load(w_ptr + 2 * tl.broadcast_to(col, (2, BLOCK_T, WH)) + 1, mask=tl.broadcast_to(col_ok, (2, BLOCK_T, WH)), other=0.0)
+    x0, x1 = _unpack_bf16x2(w.to(tl.uint32, bitcast=True))
+    ms = tl.sum(tl.sum(x0 * x0 + x1 * x1, axis=2), axis=0) * (1.0 / D)
+    rstd = tl.math.div_rn(tl.full((BLOCK_T,), 1.0, tl.float32), tl.sqrt_rn(ms + eps))[None, :, None]
+    y0, y1 = _round_bf16_pair(g0 * (x0 * rstd), g1 * (x1 * rstd), HW)
+    h0, r0 = tl.split(tl.permute(y0, (1, 2, 0)))
+    h1, r1 = tl.split(tl.permute(y1, (1, 2, 0)))
+    _quant_store_rows(h0, h1, t, tok_ok, slot, out_ptr, cache_ptr, S, stride_om, stride_cache,
+                      0, WH, HB, D, BLOCK_T, STORE, HW)
+    if PAIR0 == WH:  # every word of the half rotates (padding past D/2 is zeros): no select
+        r0, r1 = r0 * c - r1 * s, r0 * s + r1 * c
+    else:
+        r0, r1 = _rotate(r0, r1, c, s, rot)
+    r0, r1 = _round_bf16_pair(r0, r1, HW)
+    _quant_store_rows(r0, r1, t, tok_ok, slot, out_ptr, cache_ptr, S, stride_om, stride_cache,
+                      WH, WH, HB, D, BLOCK_T, STORE, HW)
+
+
+@triton.jit(do_not_specialize=["M", "S"])
+def _kv_rope_quant_blocks_kernel(
+    kv_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, cache_ptr, M, S, eps,
+    stride_km, stride_om, stride_cm, stride_cp, stride_sm, stride_sp, stride_slot, stride_cache,
+    D: tl.constexpr, PAIR0: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
+    BLOCK_T: tl.constexpr, STORE: tl.constexpr, PAIRED: tl.constexpr, HW: tl.constexpr,
+    FMA_SQ: tl.constexpr = False, CLAMP: tl.constexpr = True,
+):
+    HB: tl.constexpr = BLOCK // 2      # words a quant block
+    Q: tl.constexpr = HB // 4          # 16-byte vectors a block
+    RW: tl.constexpr = D // 2 - PAIR0  # rotated words
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = t < M
+    # main tile [Q, BLOCK_T, NB, 4]: word nb * HB + q * 4 + v; a thread holds whole quant blocks
+    col = (tl.arange(0, NB)[None, None, :, None] * HB + tl.arange(0, Q)[:, None, None, None] * 4
+           + tl.arange(0, 4)[None, None, None, :])
+    col_ok = col < D // 2
+    tmask = tok_ok[None, :, None, None]
+    w = tl.load(kv_ptr + t[None, :, None, None] * stride_km + col, mask=tmask & col_ok, other=0)
+    # the rotated words again, as a small tile [BLOCK_T, RW] (L1 hits)
+    rc = PAIR0 + tl.arange(0, RW)
+    wr = tl.load(kv_ptr + t[:, None] * stride_km + rc[None, :], mask=tok_ok[:, None], other=0)
+    if STORE:
+        slot = tl.load(slot_ptr + t * stride_slot, mask=tok_ok, other=-1)
+    else:
+        slot = t
+    p = tl.arange(0, RW)
+    if PAIRED:
+        cs = tl.load(cos_ptr + t[:, None] * stride_cm + p[None, :], mask=tok_ok[:, None], other=0)
+        c = (cs & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+        s = ((cs >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+    else:
+        c = tl.load(cos_ptr + t[:, None] * stride_cm + p[None, :] * stride_cp, mask=tok_ok[:, None], other=0.0)
+        s = tl.load(sin_ptr + t[:, None] * stride_sm + p[None, :] * stride_sp, mask=tok_ok[:, None], other=0.0)
+    gcol = tl.broadcast_to(col, (Q, BLOCK_T, NB, 4))
+    gok = tl.broadcast_to(col_ok, (Q, BLOCK_T, NB, 4))
+    grc = tl.broadcast_to(rc[None, :], (BLOCK_T, RW))
+    if w_ptr.dtype.element_ty == tl.int64:
+        gw = tl.load(w_ptr + gcol, mask=gok, other=0)
+        g0 = (gw & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+        g1 = ((gw >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+        gr = tl.load(w_ptr + grc)
+        gr0 = (gr & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+        gr1 = ((gr >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+    else:
+        g0 = tl.load(w_ptr + 2 * gcol, mask=gok, other=0.0)
+        g1 = tl.load(w_ptr + 2 * gcol + 1, mask=gok, other=0.0)
+        gr0 = tl.load(w_ptr + 2 * grc)
+        gr1 = tl.load(w_ptr + 2 * grc + 1)
+    x0, x1 = _unpack_bf16x2(w.to(tl.uint32, bitcast=True))
+    if FMA_SQ:
+        sq = tl.fma(x1, x1, x0 * x0)
+    else:
+        sq = x0 * x0 + x1 * x1
+    ms = tl.sum(tl.sum(tl.sum(sq, axis=3), axis=0), axis=1) * (1.0 / D)
+    rstd = tl.math.div_rn(tl.full((BLOCK_T,), 1.0, tl.float32), tl.sqrt_rn(ms + eps))
+    # the unrotated blocks: norm, bf16, FP8 round trip in the thread
+    r4 = rstd[None, :, None, None]
+    y0, y1 = _round_bf16_pair(g0 * (x0 * r4), g1 * (x1 * r4), HW)
+    amax = tl.max(tl.max(tl.maximum(tl.abs(y0), tl.abs(y1)), axis=3), axis=0)  # [BLOCK_T, NB]
+    k = _ue8m0_exponent(amax)
+    inv = _pow2(-k)[None, :, :, None]
+    sc = _pow2(k)[None, :, :, None]
+    if CLAMP:
+        q0 = _to_e4m3(tl.maximum(y0 * inv, -448.0), HW) * sc
+        q1 = _to_e4m3(tl.maximum(y1 * inv, -448.0), HW) * sc
+    else:
+        q0 = _to_e4m3(y0 * inv, HW) * sc
+        q1 = _to_e4m3(y1 * inv, HW) * sc
+    if HW:
+        out = _cvt_bf16x2(q0, q1).to(tl.int32, bitcast=True)
+    else:
+        out = _pack_bf16x2(q0, q1, HW).to(tl.int32, bitcast=True)
+    keep_col = col < PAIR0
+    tl.store(out_ptr + t[None, :, None, None] * stride_om + col, out, mask=tmask & keep_col)
+    if STORE:
+        sl = tl.where(slot < 0, slot + S, slot)
+        keep = tok_ok & (sl >= 0) & (sl < S)
+        tl.store(cache_ptr + sl[None, :, None, None] * stride_cache + col, out, mask=keep[None, :, None, None] & keep_col)
+    # the rotated words: norm, bf16, RoPE, bf16, FP8 round trip on the small tile
+    xr0, xr1 = _unpack_bf16x2(wr.to(tl.uint32, bitcast=True))
+    r2 = rstd[:, None]
+    yr0, yr1 = _round_bf16_pair(gr0 * (xr0 * r2), gr1 * (xr1 * r2), HW)
+    yr0, yr1 = yr0 * c - yr1 * s, yr0 * s + yr1 * c
+    yr0, yr1 = _round_bf16_pair(yr0, yr1, HW)
+    qr0, qr1 = _fp8_qdq_pairs(tl.reshape(yr0, (BLOCK_T, RW // HB, HB)), tl.reshape(yr1, (BLOCK_T, RW // HB, HB)), HW, False)
+    qr0, qr1 = tl.reshape(qr0, (BLOCK_T, RW)), tl.reshape(qr1, (BLOCK_T, RW))
+    if HW:
+        outr = _cvt_bf16x2(qr0, qr1).to(tl.int32, bitcast=True)
+    else:
+        outr = _pack_bf16x2(qr0, qr1, HW).to(tl.int32, bitcast=True)
+    tl.store(out_ptr + t[:, None] * stride_om + rc[None, :], outr, mask=tok_ok[:, None])
+    if STORE:
+        tl.store(cache_ptr + sl[:, None] * stride_cache + rc[None, :], outr, mask=keep[:, None])
+
+
+def kv_blocks_ok(d: int, rd: int, block: int) -> bool:
+    """Whether the ``blocks`` kernel takes this shape: the rotated words are whole quant blocks, a
+    power of two of them."""
+    hb, rw = block // 2, rd // 2
+    return (d - rd) // 2 % hb == 0 and rw % hb == 0 and rw & (rw - 1) == 0 and hb % 4 == 0
+
+
+def kv_rows_ok(d: int, rd: int, block: int) -> bool:
+    """Whether the ``rows`` kernel takes this shape: two or more quant blocks a row and every rotated
+    word in the second half of the (power-of-two padded) row."""
+    nb = triton.next_power_of_2(d // block)
+    return nb >= 2 and (d - rd) // 2 >= nb * (block // 2) // 2
+
+
 def kv_tail_halvings(d: int, rd: int, block: int, block_t: int, num_warps: int) -> int:
     """How often the ``tail`` option halves the quant blocks before the RoPE (the kernel takes any
     count that leaves every rotated word in the last piece; this picks 0 or 1). One when the rotated
@@ -466,7 +655,13 @@ def kv_rope_quant(
     nb = triton.next_power_of_2(d // block)
     if cfg.get("sum") == "tree" and nb * block // 2 > 1024:
         raise ValueError(f"kv_rope_quant: sum='tree' takes at most 1024 bf16 pairs a row, head_dim {d} has more")
-    tail = bool(cfg.get("tail", False))
+    rows = bool(cfg.get("rows", False))
+    if rows and not kv_rows_ok(d, rd, block):
+        raise ValueError(f"kv_rope_quant: rows=True needs the rope dims in the second half of the row "
+                         f"(head_dim {d}, rope dims {rd}, block {block})")
+    if rows and cfg.get("sum") == "tree":
+        raise ValueError("kv_rope_quant: rows=True sums with tl.sum; sum='tree' is the other kernel's option")
+    tail = bool(cfg.get("tail", False)) or rows or bool(cfg.get("blocks", False))
     if tail and weight.stride(0) == 1 and weight.data_ptr() % 8 == 0:
         weight = weight.view(torch.int64)  # (even, odd) weight pairs, one 8-byte load each (else fp32)
     store = cache is not None
@@ -476,14 +671,22 @@ def kv_rope_quant(
     pairs = _paired_table(cos, sin, m)
     if pairs is not None:
         cos = sin = pairs
-    _kv_rope_quant_kernel[(triton.cdiv(m, block_t),)](
-        kw, weight, cos, sin, slots, ow, cw, m, cache.shape[0] if store else 0, float(eps),
-        kw.stride(0), ow.stride(0), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-        slots.stride(0), cw.stride(0),
-        D=d, PAIR0=(d - rd) // 2, BLOCK=block, NB=nb,
-        BLOCK_T=block_t, STORE=store, PAIRED=pairs is not None, HW=cfg.get("HW", not INTERPRET),
-        TREE=cfg.get("sum") == "tree", TAIL=tail,
-        HALVINGS=kv_tail_halvings(d, rd, block, block_t, cfg["num_warps"]) if tail else 0,
-        num_warps=cfg["num_warps"], enable_fp_fusion=False,
-    )
+    args = (kw, weight, cos, sin, slots, ow, cw, m, cache.shape[0] if store else 0, float(eps),
+            kw.stride(0), ow.stride(0), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+            slots.stride(0), cw.stride(0))
+    common = dict(D=d, PAIR0=(d - rd) // 2, BLOCK=block, NB=nb, BLOCK_T=block_t, STORE=store,
+                  PAIRED=pairs is not None, HW=cfg.get("HW", not INTERPRET), num_warps=cfg["num_warps"],
+                  enable_fp_fusion=False)
+    grid = (triton.cdiv(m, block_t),)
+    if cfg.get("blocks"):
+        if not kv_blocks_ok(d, rd, block):
+            raise ValueError(f"kv_rope_quant: blocks=True needs whole quant blocks of rotated words "
+                             f"(head_dim {d}, rope dims {rd}, block {block})")
+        _kv_rope_quant_blocks_kernel[grid](*args, **common, FMA_SQ=cfg.get("fma_sq", False), CLAMP=cfg.get("clamp", True))
+    elif rows:
+        _kv_rope_quant_rows_kernel[grid](*args, **common)
+    else:
+        _kv_rope_quant_kernel[grid](
+            *args, **common, TREE=cfg.get("sum") == "tree", TAIL=tail,
+            HALVINGS=kv_tail_halvings(d, rd, block, block_t, cfg["num_warps"]) if tail else 0)
     return out
