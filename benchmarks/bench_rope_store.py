@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dsv41_passes as dp  # noqa: E402
 from benchmarks.common import measure_copy_bandwidth, table, time_ms, write_result  # noqa: E402
 from dsv41_passes.lowering.rope_store import kv_rope_quant_reference  # noqa: E402
+from dsv41_passes.lowering.triton import kv_rope_quant as tkv  # noqa: E402
 from dsv41_passes.lowering.triton import rope_store as tk  # noqa: E402
 from dsv41_passes.reference.model import rms_norm  # noqa: E402
 from dsv41_passes.reference.quant import fp8_block_qdq, ue8m0_scale  # noqa: E402
@@ -259,12 +260,12 @@ def bench_kv(m: int, bandwidth: float, tune_configs: bool) -> dict:
     row["ours_pass"] = timed(lambda: passed(kv, freqs, slots)) if rewritten else None
     if tune_configs:
         def run(cfg):
-            return tk.kv_rope_quant(kv, weight, EPS, cos, sin, BLOCK, cache, slots, batch_invariant=False, config=cfg)
+            return tkv.kv_rope_quant(kv, weight, EPS, cos, sin, BLOCK, cache, slots, batch_invariant=False, config=cfg)
 
-        row["config_ours"], row["tuned"] = tune("kv", run, tk.CANDIDATES["kv_rope_quant_store"],
+        row["config_ours"], row["tuned"] = tune("kv", run, tkv.CANDIDATES["kv_rope_quant_store"],
                                                lambda o: check_kv("candidate", o, kv, weight, cos, sin, quiet=True))
         if row["config_ours"]:
-            dp.tuning.record("kv_rope_quant_store", dp.tuning.bucket(m), tk.kv_shape_key(kv, cos, BLOCK),
+            dp.tuning.record("kv_rope_quant_store", dp.tuning.bucket(m), tkv.kv_shape_key(kv, cos, BLOCK),
                              row["config_ours"])
     row["roofline"] = (3 * m * D * 2 + m * RD * 4 + m * 8) / bandwidth * 1e3
     row["copy_same_bytes"] = copy_time(3 * m * D * 2 + m * RD * 4 + m * 8)

@@ -69,8 +69,8 @@ def kv(m: int) -> None:
     fns = {
         "op": lambda: torch.ops.dsv41.kv_rope_quant_store(cache, x, weight, brs.EPS, cos, sin, slots, brs.BLOCK,
                                                           brs.PROVIDERS, 0),
-        "kernel": lambda: brs.tk.kv_rope_quant(x, weight, brs.EPS, cos, sin, brs.BLOCK, cache, slots,
-                                               batch_invariant=False),
+        "kernel": lambda: brs.tkv.kv_rope_quant(x, weight, brs.EPS, cos, sin, brs.BLOCK, cache, slots,
+                                                batch_invariant=False),
     }
     what = f"kv M={m}"
     show(what, "1 fresh", fns)

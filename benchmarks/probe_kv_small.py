@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_rope_store import BLOCK, EPS, SLOTS, inputs  # noqa: E402
 from benchmarks.common import time_ms  # noqa: E402
-from dsv41_passes.lowering.triton import rope_store as rk  # noqa: E402
+from dsv41_passes.lowering.triton import kv_rope_quant as rk  # noqa: E402
 
 rows = []
 SMALL = (dict(BLOCK_T=1, num_warps=2), dict(BLOCK_T=2, num_warps=2), dict(BLOCK_T=4, num_warps=4))

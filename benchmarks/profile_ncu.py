@@ -24,7 +24,7 @@ def launches(m: int) -> dict:
     from benchmarks.quick_check import mhc_inputs
     from dsv41_passes.lowering.tilelang import wo_a as tw
     from dsv41_passes.lowering.triton import mhc as tm
-    from dsv41_passes.lowering.triton import rope_store as rk
+    from dsv41_passes.lowering.triton import kv_rope_quant as rk
 
     t = mhc_inputs(m)
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -47,8 +47,8 @@ def launches(m: int) -> dict:
                                       1e-6, 1e-6, batch_invariant=False),
         "mhc_post": lambda: tm.mhc_post(t["y"], t["h"], t["post"], t["comb"], batch_invariant=False),
         "kv": lambda: rk.kv_rope_quant(kv_in, kw, 1e-6, cos, sin, 32, cache, slots, batch_invariant=False),
-        "kv_rows": lambda: rk.kv_rope_quant(kv_in, kw, 1e-6, cos, sin, 32, cache, slots, batch_invariant=False,
-                                            config=dict(BLOCK_T=1, num_warps=1, rows=True)),
+        "kv_tile": lambda: rk.kv_rope_quant(kv_in, kw, 1e-6, cos, sin, 32, cache, slots, batch_invariant=False,
+                                            config=rk.KV_TILE_DEFAULT),
         "wo_a": lambda: tw.wo_a(o, wa, cs[..., 0], cs[..., 1], 64, batch_invariant=False),
     }
 

@@ -68,7 +68,7 @@ def mhc_inputs(m: int, d: int = 5120) -> dict:
 
 
 def kv(m: int) -> None:
-    from dsv41_passes.lowering.triton import rope_store as rk
+    from dsv41_passes.lowering.triton import kv_rope_quant as rk
 
     d, rd, block = 512, 64, 32
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -91,29 +91,17 @@ def kv(m: int) -> None:
     src = torch.empty(m, 3 * d // 2 + rd + 2, dtype=torch.int16, device="cuda")
     dst = torch.empty_like(src)
     row("kv", f"M={m} device copy of the same bytes", "", time_ms(lambda: dst.copy_(src)))
-    # the untuned configs of the old layout, then the row layout (rows=True): bits compared with
+    # the tile kernel's untuned configs, then the blocks kernel's (KV_DEFAULT first): bits compared with
     # KV_DEFAULT's, and each output's element mismatches against the reference provider's
-    old = {"KV_DEFAULT": rk.KV_DEFAULT, "KV_SMALL_M": rk.KV_SMALL_M, "KV_LARGE_M": rk.KV_LARGE_M}
-    rows = {f"rows BLOCK_T={t},num_warps={nw}": dict(BLOCK_T=t, num_warps=nw, rows=True)
-            for t, nw in ((1, 1), (2, 1))}
-    rows.update({f"blocks BLOCK_T={t},num_warps={nw}{''.join(',' + k for k in x)}":
-                 dict(BLOCK_T=t, num_warps=nw, blocks=True, **x)
-                 for t, nw in ((2, 1), (1, 1), (4, 2))
-                 for x in ({}, dict(fma_sq=True), dict(clamp=False), dict(fma_sq=True, clamp=False))})
-    for name, cfg in {**old, **rows}.items():
+    tile = {"KV_TILE_DEFAULT": rk.KV_TILE_DEFAULT, "KV_SMALL_M": rk.KV_SMALL_M, "KV_LARGE_M": rk.KV_LARGE_M}
+    blocks = {f"blocks BLOCK_T={t},num_warps={nw}": dict(BLOCK_T=t, num_warps=nw, blocks=True)
+              for t, nw in ((2, 1), (1, 1), (4, 2))}
+    for name, cfg in {**blocks, **tile}.items():
         out = run(cfg)
         t = time_ms(lambda cfg=cfg: run(cfg))
         bad = int((out.view(torch.int16) != ref.view(torch.int16)).sum())
         row("kv", f"M={m} {name}", f"same bits {_same_bits(out, base)}, {bad} != ref", t,
             f"{1000 * t:.2f} us, {100 * roof / t:.1f}%")
-    if m >= 2:  # what the hardware conversion does with a NaN / inf element, with and without the clamp
-        odd = kv_in.clone()
-        odd[0, 7], odd[1, 300] = float("nan"), float("inf")
-        for x in ({}, dict(clamp=False)):
-            o = rk.kv_rope_quant(odd, w, 1e-6, cos, sin, block, cache, slots, batch_invariant=False,
-                                 config=dict(BLOCK_T=2, num_warps=1, blocks=True, **x))
-            print(f"kv NaN/inf probe {x}: out[0, 6:8] = {o[0, 6:8].tolist()}, out[1, 299:302] = "
-                  f"{o[1, 299:302].tolist()}", flush=True)
 
 
 def post(m: int) -> None:

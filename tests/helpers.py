@@ -51,3 +51,32 @@ def assert_within_ulps(out: torch.Tensor, ref64: torch.Tensor, ulps: float = 1.0
         bound = bound + floor
     worst = (err / bound).max().item() if err.numel() else 0.0
     assert torch.all(err <= bound), f"max error {worst:.3f} x the bound ({ulps} bf16 ulp)"
+
+
+# RoPE/store test data (tests/lowering/test_rope_store.py and test_kv_rope_quant.py)
+POISON = -1234.0  # exactly representable in bf16
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+def rope_case_tables(m: int, rd: int, seed: int = 0, max_pos: int = 4096):
+    """cos/sin as the pass passes them: strided views of view_as_real(freqs) (and freqs itself)."""
+    from dsv41_passes.reference.rope import rope_table
+
+    g = torch.Generator().manual_seed(seed)
+    freqs = rope_table(rd, max_pos, 10000.0, None)[torch.randint(0, max_pos, (m,), generator=g)]
+    fr = torch.view_as_real(freqs)
+    return freqs, fr[..., 0], fr[..., 1]
+
+
+def kv_case(m: int, d: int, rd: int, slots_n: int, scale: float = 4.0, seed: int = 0):
+    """A KV batch: (cache poisoned, kv with per-row magnitudes, fp32 weight, cos, sin, distinct slots)."""
+    g = torch.Generator().manual_seed(seed)
+    kv = (torch.randn(m, d, generator=g) * scale * torch.exp(torch.randn(m, 1, generator=g))).to(torch.bfloat16)
+    weight = torch.rand(d, generator=g) + 0.5
+    _, cos, sin = rope_case_tables(m, rd, seed)
+    slots = torch.randperm(slots_n, generator=g)[:m]
+    cache = torch.full((slots_n, d), POISON, dtype=torch.bfloat16)
+    return cache, kv, weight, cos, sin, slots

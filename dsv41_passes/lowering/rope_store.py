@@ -230,7 +230,7 @@ def _kv_store_triton_ok(cache, kv, weight, eps, cos, sin, slots, block, *, batch
 
 @register_provider("kv_rope_quant_store", "triton", _kv_store_triton_ok)
 def _kv_rope_quant_store_triton(cache, kv, weight, eps, cos, sin, slots, block, *, batch_invariant):
-    from .triton import rope_store as tk
+    from .triton import kv_rope_quant as tk
 
     return tk.kv_rope_quant(kv, weight, eps, cos, sin, block, cache, slots, batch_invariant=batch_invariant)
 
@@ -241,7 +241,7 @@ def _kv_triton_ok(kv, weight, eps, cos, sin, block, *, batch_invariant):
 
 @register_provider("kv_rope_quant", "triton", _kv_triton_ok)
 def _kv_rope_quant_triton(kv, weight, eps, cos, sin, block, *, batch_invariant):
-    from .triton import rope_store as tk
+    from .triton import kv_rope_quant as tk
 
     return tk.kv_rope_quant(kv, weight, eps, cos, sin, block, batch_invariant=batch_invariant)
 
@@ -255,6 +255,7 @@ def tunables(config, device=None) -> list:
     ``make_inputs(m, device)`` builds the inputs; ``device`` is unused (kept for a uniform signature).
     """
     from ..tuning import Tunable
+    from .triton import kv_rope_quant as tkv
     from .triton import rope_store as tk
 
     h, hpad, d = config.local_heads, config.padded_heads, config.head_dim
@@ -278,16 +279,21 @@ def tunables(config, device=None) -> list:
         tk.q_rope_store(*inputs, batch_invariant=False, config=cfg)
 
     def run_kv(inputs: tuple, cfg: dict):
-        return tk.kv_rope_quant(*inputs, batch_invariant=False, config=cfg)
+        return tkv.kv_rope_quant(*inputs, batch_invariant=False, config=cfg)
 
     def run_kv_compute(inputs: tuple, cfg: dict):
-        return tk.kv_rope_quant(*inputs[:6], batch_invariant=False, config=cfg)
+        return tkv.kv_rope_quant(*inputs[:6], batch_invariant=False, config=cfg)
 
     kv_key = dict(d=d, rd=rd, block=block)
+    kv_default = tkv.kv_default_config(d, rd, block)
+
+    def kv_untuned(m: int) -> dict:
+        return tkv.kv_untuned_config(m, d, rd, block)
+
     return [
         Tunable("q_rope_store", dict(h=h, d=d, rd=rd), q_inputs, run_q, tk.CANDIDATES["q_rope_store"], tk.Q_DEFAULT),
-        Tunable("kv_rope_quant_store", kv_key, kv_inputs, run_kv, tk.CANDIDATES["kv_rope_quant_store"], tk.KV_DEFAULT,
-                untuned=tk.kv_untuned_config),
-        Tunable("kv_rope_quant", kv_key, kv_inputs, run_kv_compute, tk.CANDIDATES["kv_rope_quant"], tk.KV_DEFAULT,
-                untuned=tk.kv_untuned_config),
+        Tunable("kv_rope_quant_store", kv_key, kv_inputs, run_kv, tkv.CANDIDATES["kv_rope_quant_store"], kv_default,
+                untuned=kv_untuned),
+        Tunable("kv_rope_quant", kv_key, kv_inputs, run_kv_compute, tkv.CANDIDATES["kv_rope_quant"], kv_default,
+                untuned=kv_untuned),
     ]
