@@ -84,12 +84,11 @@ def test_q_rope_store_bad_inputs(change, match):
 
 # ----------------------------------------------------------------------------- FP8
 @triton.jit
-def _qdq_test_kernel(x_ptr, y_ptr, NB: tl.constexpr, BLOCK: tl.constexpr, HW: tl.constexpr,
-                     CLAMP_HI: tl.constexpr):
+def _qdq_test_kernel(x_ptr, y_ptr, NB: tl.constexpr, BLOCK: tl.constexpr, HW: tl.constexpr):
     # x: bf16 pairs as int32 words [NB, BLOCK/2]; y: fp32 [NB, BLOCK/2, 2]
     offs = tl.arange(0, NB)[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
     z0, z1 = _unpack_bf16x2(tl.load(x_ptr + offs).to(tl.uint32, bitcast=True))
-    q0, q1 = _fp8_qdq_pairs(tl.expand_dims(z0, 0), tl.expand_dims(z1, 0), HW, CLAMP_HI)
+    q0, q1 = _fp8_qdq_pairs(tl.expand_dims(z0, 0), tl.expand_dims(z1, 0), HW)
     tl.store(y_ptr + 2 * offs, tl.reshape(q0, (NB, BLOCK // 2)))
     tl.store(y_ptr + 2 * offs + 1, tl.reshape(q1, (NB, BLOCK // 2)))
 
@@ -127,7 +126,7 @@ def test_fp8_qdq_is_bitwise_the_reference_rule(hw):
     xp = torch.zeros(pad, 32, dtype=BF16)
     xp[:nb] = x
     y = torch.empty(pad, 32, device=dev)
-    _qdq_test_kernel[(1,)](xp.to(dev).view(torch.int32), y, NB=pad, BLOCK=32, HW=hw, CLAMP_HI=True)
+    _qdq_test_kernel[(1,)](xp.to(dev).view(torch.int32), y, NB=pad, BLOCK=32, HW=hw)
     y = y.cpu()
     want = fp8_block_qdq(x, 32)
     got = y[:nb].to(BF16)  # exact: every result has <= 4 significant bits
@@ -139,14 +138,17 @@ def test_fp8_qdq_is_bitwise_the_reference_rule(hw):
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on the NaN / inf blocks (interpreter)
 @pytest.mark.parametrize("hw", [False, pytest.param(True, marks=pytest.mark.gpu)], ids=["bit_rule", "cvt_on_gpu"])
-def test_fp8_upper_clamp_never_binds(hw):
-    """The tail path leaves the upper FP8 clamp out: the same bits on every input, infinities and
-    NaN included (a NaN element goes to -448 * scale through the lower clamp either way)."""
+def test_fp8_round_trip_keeps_nan_and_infinities(hw):
+    """No clamp in the round trip: a NaN element stays NaN (a clamp to +-448 would make it a finite
+    +-448 * scale), +-inf stays +-inf, the other elements of those blocks stay finite (their scale is
+    the infinite block's 2^120: they flush to zero), and the hardware conversion gives the bit rule's
+    results (NaN where it gives NaN, the same bits elsewhere)."""
     dev = "cuda" if hw else ("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(11)
     odd = torch.randn(8, 32, generator=g) * 100
-    for (r, c), v in {(0, 3): "inf", (1, 5): "-inf", (2, 7): "nan", (4, 0): "inf", (4, 1): "-inf",
-                      (5, 2): "nan", (5, 9): "inf", (6, 31): "inf"}.items():
+    special = {(0, 3): "inf", (1, 5): "-inf", (2, 7): "nan", (4, 0): "inf", (4, 1): "-inf",
+               (5, 2): "nan", (5, 9): "inf", (6, 31): "inf"}
+    for (r, c), v in special.items():
         odd[r, c] = float(v)
     odd[3] = float("nan")
     x = torch.cat([_fp8_edge_values().float(), odd]).to(BF16)
@@ -154,12 +156,20 @@ def test_fp8_upper_clamp_never_binds(hw):
     xp = torch.zeros(pad, 32, dtype=BF16)
     xp[: x.shape[0]] = x
     outs = []
-    for clamp_hi in (True, False):
+    for mode in sorted({hw, False}):
         y = torch.empty(pad, 32, device=dev)
-        _qdq_test_kernel[(1,)](xp.to(dev).view(torch.int32), y, NB=pad, BLOCK=32, HW=hw, CLAMP_HI=clamp_hi)
-        outs.append(y.cpu().view(torch.int32))
-    assert torch.equal(outs[0], outs[1])
-    assert torch.isinf(outs[0].view(torch.float32)).any()  # the infinities reached the output
+        _qdq_test_kernel[(1,)](xp.to(dev).view(torch.int32), y, NB=pad, BLOCK=32, HW=mode)
+        outs.append(y.cpu())
+    y = outs[-1][: x.shape[0]]
+    xf = x.float()
+    assert torch.equal(torch.isnan(y), torch.isnan(xf))
+    inf = torch.isinf(xf)
+    assert torch.equal(torch.isinf(y), inf) and torch.equal(torch.sign(y[inf]), torch.sign(xf[inf]))
+    finite = ~torch.isnan(xf) & ~inf
+    assert torch.isfinite(y[finite]).all()
+    nan_free = ~torch.isnan(outs[0])
+    assert torch.equal(torch.isnan(outs[0]), torch.isnan(outs[-1]))
+    assert torch.equal(outs[0][nan_free].view(torch.int32), outs[-1][nan_free].view(torch.int32))
 
 
 # ----------------------------------------------------------------------------- KV

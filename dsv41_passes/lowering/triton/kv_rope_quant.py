@@ -136,13 +136,11 @@ def _quant_store(y0, y1, t, tok_ok, slot, out_ptr, cache_ptr, S, stride_om, stri
                  C0: tl.constexpr, N: tl.constexpr, HB: tl.constexpr, D: tl.constexpr,
                  STORE: tl.constexpr, HW: tl.constexpr, TAIL: tl.constexpr):
     """FP8 round trip of the bf16 values ``y0``/``y1`` ``[BLOCK_T, N, HB]`` (words ``C0 ..``) and their
-    stores. The packing into bf16 is exact: the FP8 results have at most 4 significant bits. TAIL: the
-    scaled values are at most 448 in magnitude (see ``_fp8_qdq_pairs``), so only the lower clamp is
-    applied (it is what maps a NaN to -448, as the two-sided clamp does), and with HW the pair is
-    packed by one conversion."""
+    stores. The packing into bf16 is exact: the FP8 results have at most 4 significant bits. TAIL: with
+    HW the pair is packed by one conversion."""
     col = C0 + tl.arange(0, N)[:, None] * HB + tl.arange(0, HB)[None, :]
     col_ok = col < D // 2
-    q0, q1 = _fp8_qdq_pairs(y0, y1, HW, not TAIL)
+    q0, q1 = _fp8_qdq_pairs(y0, y1, HW)
     if HW and TAIL:
         out = _cvt_bf16x2(q0, q1).to(tl.int32, bitcast=True)
     else:
@@ -169,7 +167,7 @@ def _kv_rope_quant_kernel(
     # stored without RoPE work or the second bf16 rounding (its values are bf16 already), and the RoPE
     # (tables, products, selects) runs only on the last NB / 2**HALVINGS blocks, which hold every
     # rotated word (anywhere in them: PAIR0 need not start a block). Also: bf16 roundings and packing
-    # as one cvt.rn.bf16x2.f32 a pair (HW), no upper FP8 clamp (never binds), and with w_ptr int64
+    # as one cvt.rn.bf16x2.f32 a pair (HW), and with w_ptr int64
     # (the weights 8-byte aligned) one load per weight pair in the tile's layout.
     HB: tl.constexpr = BLOCK // 2
     NR: tl.constexpr = NB >> HALVINGS  # quant blocks the RoPE runs on (TAIL), the last ones
@@ -303,8 +301,8 @@ def _kv_rope_quant_blocks_kernel(
     k = _ue8m0_exponent(amax)
     inv = _pow2(-k)[None, :, :, None]
     sc = _pow2(k)[None, :, :, None]
-    q0 = _to_e4m3(tl.maximum(y0 * inv, -448.0), HW) * sc
-    q1 = _to_e4m3(tl.maximum(y1 * inv, -448.0), HW) * sc
+    q0 = _to_e4m3(y0 * inv, HW) * sc  # no clamp: see _fp8_qdq_pairs
+    q1 = _to_e4m3(y1 * inv, HW) * sc
     if HW:
         out = _cvt_bf16x2(q0, q1).to(tl.int32, bitcast=True)
     else:
@@ -323,7 +321,7 @@ def _kv_rope_quant_blocks_kernel(
     yr0, yr1 = yr0 * c - yr1 * s, yr0 * s + yr1 * c
     yr0, yr1 = _round_bf16_pair(yr0, yr1, HW)
     qr0, qr1 = _fp8_qdq_pairs(tl.reshape(yr0, (BLOCK_T, RW // HB, HB)), tl.reshape(yr1, (BLOCK_T, RW // HB, HB)),
-                              HW, False)
+                              HW)
     qr0, qr1 = tl.reshape(qr0, (BLOCK_T, RW)), tl.reshape(qr1, (BLOCK_T, RW))
     if HW:
         outr = _cvt_bf16x2(qr0, qr1).to(tl.int32, bitcast=True)

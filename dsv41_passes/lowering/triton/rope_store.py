@@ -123,7 +123,9 @@ def _pow2(k):
 
 @triton.jit
 def _e4m3_rne(v):
-    """Round fp32 ``v`` (|v| <= 448) to the nearest e4m3fn value, ties to even, on the bits."""
+    """Round fp32 ``v`` (|v| <= 448) to the nearest e4m3fn value, ties to even, on the bits; a NaN
+    stays NaN and an infinity infinite (the hardware conversion saturates it to 448, and the block's
+    scale of 2^120 then gives the same infinity)."""
     u = v.to(tl.uint32, bitcast=True)
     sign = u & 0x80000000
     mag = u & 0x7FFFFFFF
@@ -137,7 +139,7 @@ def _e4m3_rne(v):
     n = tl.where(ef == 0, 0, n)
     sub = (n.to(tl.float32) * 0.001953125).to(tl.uint32, bitcast=True)
     mag_q = tl.where(ef >= 121, normal, sub)
-    return (sign | mag_q).to(tl.float32, bitcast=True)
+    return tl.where(mag > 0x7F800000, v, (sign | mag_q).to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -151,25 +153,20 @@ def _to_e4m3(v, HW: tl.constexpr):
 
 
 @triton.jit
-def _fp8_qdq_pairs(z0, z1, HW: tl.constexpr, CLAMP_HI: tl.constexpr = True):
+def _fp8_qdq_pairs(z0, z1, HW: tl.constexpr):
     """FP8-e4m3 round trip of a block split into its even ``z0`` and odd ``z1`` elements.
 
     ``z0``, ``z1``: ``[A, NB, BLOCK/2]``; one UE8M0 scale per ``[a, nb]`` block (both halves).
-    ``448 * 2^k >= amax`` exactly, so a scaled value never exceeds 448 in magnitude (+inf stays +inf:
-    its block's scale 2^120 makes 448 * scale +inf too) and the upper clamp never changes a result;
-    the lower one also maps a NaN (max ignores it) to -448. CLAMP_HI=False leaves the no-op out.
+    ``448 * 2^k >= amax`` exactly, so a scaled finite value never exceeds 448 in magnitude and the
+    reference's clamp to +-448 never changes a result; it is left out. A NaN element stays NaN (a
+    clamp would turn it into +-448 * scale, a finite value; the reference's NaN amax makes its whole
+    block NaN, here the scale comes from the block's other elements) and +-inf stays +-inf.
     """
     amax = tl.maximum(tl.max(tl.abs(z0), axis=2), tl.max(tl.abs(z1), axis=2))
     k = _ue8m0_exponent(amax)
     inv_scale = tl.expand_dims(_pow2(-k), 2)
     scale = tl.expand_dims(_pow2(k), 2)
-    if CLAMP_HI:
-        q0 = _to_e4m3(tl.minimum(tl.maximum(z0 * inv_scale, -448.0), 448.0), HW) * scale
-        q1 = _to_e4m3(tl.minimum(tl.maximum(z1 * inv_scale, -448.0), 448.0), HW) * scale
-    else:
-        q0 = _to_e4m3(tl.maximum(z0 * inv_scale, -448.0), HW) * scale
-        q1 = _to_e4m3(tl.maximum(z1 * inv_scale, -448.0), HW) * scale
-    return q0, q1
+    return _to_e4m3(z0 * inv_scale, HW) * scale, _to_e4m3(z1 * inv_scale, HW) * scale
 
 
 def as_words(t: torch.Tensor) -> torch.Tensor:
