@@ -77,8 +77,8 @@ def kv(m: int) -> None:
     ang = torch.rand(m, rd // 2, device="cuda", generator=g) * 6.3
     cs = torch.view_as_real(torch.polar(torch.ones_like(ang), ang))  # interleaved, as the model's table
     cos, sin = cs[..., 0], cs[..., 1]
-    slots = torch.randperm(2 * m, device="cuda")[:m]
-    cache = torch.zeros(2 * m, d, dtype=torch.bfloat16, device="cuda")
+    slots = torch.randperm(2 * 65536 + 1, device="cuda")[:m]  # the benchmark's cache: 131073 rows
+    cache = torch.zeros(2 * 65536 + 1, d, dtype=torch.bfloat16, device="cuda")
     base = rk.kv_rope_quant(kv_in, w, 1e-6, cos, sin, block, cache, slots, batch_invariant=True)
     roof = (3 * m * d * 2 + m * rd * 4 + m * 8) / BANDWIDTH * 1e3
     row("kv", f"roofline M={m}", "", roof)
@@ -94,8 +94,10 @@ def kv(m: int) -> None:
     # the tile kernel's untuned configs, then the blocks kernel's (KV_DEFAULT first): bits compared with
     # KV_DEFAULT's, and each output's element mismatches against the reference provider's
     tile = {"KV_TILE_DEFAULT": rk.KV_TILE_DEFAULT, "KV_SMALL_M": rk.KV_SMALL_M, "KV_LARGE_M": rk.KV_LARGE_M}
-    blocks = {f"blocks BLOCK_T={t},num_warps={nw}": dict(BLOCK_T=t, num_warps=nw, blocks=True)
-              for t, nw in ((2, 1), (1, 1), (4, 2))}
+    blocks = {f"blocks BLOCK_T={t},num_warps={nw},persist={p}":
+              dict(BLOCK_T=t, num_warps=nw, blocks=True, persist=p)
+              for t, nw, p in ((2, 1, 0), (2, 1, 4), (2, 1, 8), (2, 1, 16), (1, 1, 8), (1, 1, 16), (4, 2, 4),
+                               (4, 2, 8))}
     for name, cfg in {**blocks, **tile}.items():
         out = run(cfg)
         t = time_ms(lambda cfg=cfg: run(cfg))
