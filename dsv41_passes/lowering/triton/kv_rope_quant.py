@@ -238,34 +238,36 @@ def _kv_rope_quant_kernel(
                      stride_cache, 0, NB, HB, D, STORE, HW, False)
 
 
-@triton.jit
-def _blocks_cols(D: tl.constexpr, PAIR0: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr):
-    """Word offsets of the blocks kernel's main tile ``[Q, 1, NB, 4]`` (word ``nb * HB + q * 4 + v``:
-    a thread holds whole quant blocks) and of its small tile ``[RW]`` (the rotated words)."""
-    HB: tl.constexpr = BLOCK // 2
-    Q: tl.constexpr = HB // 4
+@triton.jit(do_not_specialize=["M", "S"])
+def _kv_rope_quant_blocks_kernel(
+    kv_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, cache_ptr, M, S, eps,
+    stride_km, stride_om, stride_cm, stride_cp, stride_sm, stride_sp, stride_slot, stride_cache,
+    D: tl.constexpr, PAIR0: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
+    BLOCK_T: tl.constexpr, STORE: tl.constexpr, PAIRED: tl.constexpr, HW: tl.constexpr,
+):
+    # The blocks config (see the module docstring). Unrotated blocks: norm, bf16, FP8 round trip and
+    # the stores on the main tile, where a thread holds whole blocks; rotated blocks: the same plus the
+    # RoPE on a small [BLOCK_T, RW] tile. The main tile computes the rotated blocks too (for the sum of
+    # squares; their FP8 values are not stored).
+    HB: tl.constexpr = BLOCK // 2      # words a quant block
+    Q: tl.constexpr = HB // 4          # 16-byte vectors a block
+    RW: tl.constexpr = D // 2 - PAIR0  # rotated words
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = t < M
+    # main tile [Q, BLOCK_T, NB, 4]: word nb * HB + q * 4 + v; a thread holds whole quant blocks
     col = (tl.arange(0, NB)[None, None, :, None] * HB + tl.arange(0, Q)[:, None, None, None] * 4
            + tl.arange(0, 4)[None, None, None, :])
-    return col, PAIR0 + tl.arange(0, D // 2 - PAIR0)
-
-
-@triton.jit
-def _blocks_loads(kv_ptr, cos_ptr, sin_ptr, slot_ptr, tile, M, stride_km, stride_cm, stride_cp, stride_sm,
-                  stride_sp, stride_slot, D: tl.constexpr, PAIR0: tl.constexpr, BLOCK: tl.constexpr,
-                  NB: tl.constexpr, BLOCK_T: tl.constexpr, STORE: tl.constexpr, PAIRED: tl.constexpr):
-    """Every global load of one tile of BLOCK_T tokens (a tile past the last token loads nothing)."""
-    col, rc = _blocks_cols(D, PAIR0, BLOCK, NB)
-    t = tile.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    tok_ok = t < M
-    w = tl.load(kv_ptr + t[None, :, None, None] * stride_km + col, mask=tok_ok[None, :, None, None] & (col < D // 2),
-                other=0)
+    col_ok = col < D // 2
+    tmask = tok_ok[None, :, None, None]
+    w = tl.load(kv_ptr + t[None, :, None, None] * stride_km + col, mask=tmask & col_ok, other=0)
     # the rotated words again, as the small tile (L1 hits)
+    rc = PAIR0 + tl.arange(0, RW)
     wr = tl.load(kv_ptr + t[:, None] * stride_km + rc[None, :], mask=tok_ok[:, None], other=0)
     if STORE:
         slot = tl.load(slot_ptr + t * stride_slot, mask=tok_ok, other=-1)
     else:
         slot = t  # never read
-    p = rc - PAIR0
+    p = tl.arange(0, RW)
     if PAIRED:
         cs = tl.load(cos_ptr + t[:, None] * stride_cm + p[None, :], mask=tok_ok[:, None], other=0)
         c = (cs & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
@@ -273,17 +275,21 @@ def _blocks_loads(kv_ptr, cos_ptr, sin_ptr, slot_ptr, tile, M, stride_km, stride
     else:
         c = tl.load(cos_ptr + t[:, None] * stride_cm + p[None, :] * stride_cp, mask=tok_ok[:, None], other=0.0)
         s = tl.load(sin_ptr + t[:, None] * stride_sm + p[None, :] * stride_sp, mask=tok_ok[:, None], other=0.0)
-    return t, tok_ok, w, wr, slot, c, s
-
-
-@triton.jit
-def _blocks_compute_store(t, tok_ok, w, wr, slot, c, s, g0, g1, gr0, gr1, out_ptr, cache_ptr, S, eps, stride_om,
-                          stride_cache, D: tl.constexpr, PAIR0: tl.constexpr, BLOCK: tl.constexpr,
-                          NB: tl.constexpr, BLOCK_T: tl.constexpr, STORE: tl.constexpr, HW: tl.constexpr):
-    """Norm, bf16, RoPE (small tile), bf16, FP8 round trip and the stores of one tile."""
-    HB: tl.constexpr = BLOCK // 2
-    RW: tl.constexpr = D // 2 - PAIR0
-    col, rc = _blocks_cols(D, PAIR0, BLOCK, NB)
+    gcol = tl.broadcast_to(col, (Q, BLOCK_T, NB, 4))
+    gok = tl.broadcast_to(col_ok, (Q, BLOCK_T, NB, 4))
+    grc = tl.broadcast_to(rc[None, :], (BLOCK_T, RW))
+    if w_ptr.dtype.element_ty == tl.int64:
+        gw = tl.load(w_ptr + gcol, mask=gok, other=0)
+        g0 = (gw & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+        g1 = ((gw >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+        gr = tl.load(w_ptr + grc)
+        gr0 = (gr & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+        gr1 = ((gr >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+    else:
+        g0 = tl.load(w_ptr + 2 * gcol, mask=gok, other=0.0)
+        g1 = tl.load(w_ptr + 2 * gcol + 1, mask=gok, other=0.0)
+        gr0 = tl.load(w_ptr + 2 * grc)
+        gr1 = tl.load(w_ptr + 2 * grc + 1)
     x0, x1 = _unpack_bf16x2(w.to(tl.uint32, bitcast=True))
     sq = x0 * x0 + x1 * x1
     ms = tl.sum(tl.sum(tl.sum(sq, axis=3), axis=0), axis=1) * (1.0 / D)
@@ -302,7 +308,6 @@ def _blocks_compute_store(t, tok_ok, w, wr, slot, c, s, g0, g1, gr0, gr1, out_pt
     else:
         out = _pack_bf16x2(q0, q1, HW).to(tl.int32, bitcast=True)
     keep_col = col < PAIR0
-    tmask = tok_ok[None, :, None, None]
     tl.store(out_ptr + t[None, :, None, None] * stride_om + col, out, mask=tmask & keep_col)
     if STORE:
         sl = tl.where(slot < 0, slot + S, slot)
@@ -327,54 +332,6 @@ def _blocks_compute_store(t, tok_ok, w, wr, slot, c, s, g0, g1, gr0, gr1, out_pt
         tl.store(cache_ptr + sl[:, None] * stride_cache + rc[None, :], outr, mask=keep[:, None])
 
 
-@triton.jit(do_not_specialize=["M", "S"])
-def _kv_rope_quant_blocks_kernel(
-    kv_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, cache_ptr, M, S, eps,
-    stride_km, stride_om, stride_cm, stride_cp, stride_sm, stride_sp, stride_slot, stride_cache,
-    D: tl.constexpr, PAIR0: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
-    BLOCK_T: tl.constexpr, STORE: tl.constexpr, PAIRED: tl.constexpr, HW: tl.constexpr,
-    PERSIST: tl.constexpr = False,
-):
-    # The blocks config (see the module docstring). Unrotated blocks: norm, bf16, FP8 round trip and
-    # the stores on the main tile, where a thread holds whole blocks; rotated blocks: the same plus the
-    # RoPE on a small [BLOCK_T, RW] tile. The main tile computes the rotated blocks too (for the sum of
-    # squares; their FP8 values are not stored). PERSIST: the grid strides over the tiles, the weights
-    # are loaded once, and the next tile's loads are issued before this tile's arithmetic.
-    Q: tl.constexpr = BLOCK // 8
-    col, rc = _blocks_cols(D, PAIR0, BLOCK, NB)
-    gcol = tl.broadcast_to(col, (Q, BLOCK_T, NB, 4))
-    gok = tl.broadcast_to(col < D // 2, (Q, BLOCK_T, NB, 4))
-    grc = tl.broadcast_to(rc[None, :], (BLOCK_T, D // 2 - PAIR0))
-    if w_ptr.dtype.element_ty == tl.int64:
-        gw = tl.load(w_ptr + gcol, mask=gok, other=0)
-        g0 = (gw & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-        g1 = ((gw >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-        gr = tl.load(w_ptr + grc)
-        gr0 = (gr & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-        gr1 = ((gr >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-    else:
-        g0 = tl.load(w_ptr + 2 * gcol, mask=gok, other=0.0)
-        g1 = tl.load(w_ptr + 2 * gcol + 1, mask=gok, other=0.0)
-        gr0 = tl.load(w_ptr + 2 * grc)
-        gr1 = tl.load(w_ptr + 2 * grc + 1)
-    pid = tl.program_id(0)
-    t, tok_ok, w, wr, slot, c, s = _blocks_loads(kv_ptr, cos_ptr, sin_ptr, slot_ptr, pid, M, stride_km, stride_cm,
-                                                 stride_cp, stride_sm, stride_sp, stride_slot, D, PAIR0, BLOCK, NB,
-                                                 BLOCK_T, STORE, PAIRED)
-    if PERSIST:
-        nprog = tl.num_programs(0)
-        for tile in range(pid, tl.cdiv(M, BLOCK_T), nprog):
-            nt, nok, nw, nwr, nslot, nc, ns = _blocks_loads(
-                kv_ptr, cos_ptr, sin_ptr, slot_ptr, tile + nprog, M, stride_km, stride_cm, stride_cp, stride_sm,
-                stride_sp, stride_slot, D, PAIR0, BLOCK, NB, BLOCK_T, STORE, PAIRED)
-            _blocks_compute_store(t, tok_ok, w, wr, slot, c, s, g0, g1, gr0, gr1, out_ptr, cache_ptr, S, eps,
-                                  stride_om, stride_cache, D, PAIR0, BLOCK, NB, BLOCK_T, STORE, HW)
-            t, tok_ok, w, wr, slot, c, s = nt, nok, nw, nwr, nslot, nc, ns
-    else:
-        _blocks_compute_store(t, tok_ok, w, wr, slot, c, s, g0, g1, gr0, gr1, out_ptr, cache_ptr, S, eps,
-                              stride_om, stride_cache, D, PAIR0, BLOCK, NB, BLOCK_T, STORE, HW)
-
-
 def kv_tail_halvings(d: int, rd: int, block: int, block_t: int, num_warps: int) -> int:
     """How often the ``tail`` option halves the quant blocks before the RoPE (the kernel takes any
     count that leaves every rotated word in the last piece; this picks 0 or 1). One when the rotated
@@ -386,12 +343,6 @@ def kv_tail_halvings(d: int, rd: int, block: int, block_t: int, num_warps: int) 
     nb, hb, pair0 = triton.next_power_of_2(d // block), block // 2, (d - rd) // 2
     vectors = block_t * nb * hb // (32 * num_warps * 4)
     return int(nb >= 2 and (nb // 2) * hb <= pair0 and vectors >= 2)
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a few programs, so that each strides over several tiles
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _paired_table(cos: torch.Tensor, sin: torch.Tensor, m: int) -> torch.Tensor | None:
@@ -445,10 +396,7 @@ def kv_rope_quant(
                   enable_fp_fusion=False)
     grid = (triton.cdiv(m, block_t),)
     if blocks:
-        persist = cfg.get("persist", 0)  # programs per SM of a grid-strided launch (0: one tile a program)
-        if persist:
-            grid = (min(grid[0], persist * _sm_count(kv.device)),)
-        _kv_rope_quant_blocks_kernel[grid](*args, **common, PERSIST=bool(persist))
+        _kv_rope_quant_blocks_kernel[grid](*args, **common)
     else:
         _kv_rope_quant_kernel[grid](
             *args, **common, TREE=cfg.get("sum") == "tree", TAIL=tail,
