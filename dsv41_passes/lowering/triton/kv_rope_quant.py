@@ -12,8 +12,9 @@ Two kernels compute the same per-row rule:
   and four lane shuffles; the rotated blocks are read again (L1 hits) into a small ``[tokens,
   rotated words]`` tile, so the RoPE runs on two words a thread. Nothing goes through shared memory.
   sm_90 SASS, D 512 / rd 64, two tokens on one warp: 689 instructions up to EXIT for 32 elements a
-  thread, against 523 for 16 in the tile kernel's old default. On the H200 (run 67): 4.09 / 14.7 /
-  56.7 us at M = 4096 / 16384 / 65536 against 4.19 / 16.4 / 60.4, 78 / 87 / 90% of the copy roofline.
+  thread, against 523 for 16 in the tile kernel's old default. On the H200 (``bench_rope_store.py``,
+  run 68): 0.0564 / 0.0150 / 0.0042 ms at M = 65536 / 16384 / 4096, 90 / 85 / 76% of the copy
+  roofline, against 0.0584 / 0.0161 / 0.0042 for the tile kernel's untuned configs (run 30).
 * ``_kv_rope_quant_kernel`` (the tile kernel, every other shape): tile ``[tokens, blocks, words]``
   with Triton's default layout, options ``tail`` (the RoPE on the upper half of the blocks only,
   fewer instructions, the same bits) and ``sum="tree"`` (a layout-independent sum of squares,
@@ -48,9 +49,10 @@ from .rope_store import (
     as_words,
 )
 
-# The blocks kernel, two tokens on one warp: every M, batch-invariant mode included (run 67: 4.09 /
-# 14.71 / 56.72 us at M = 4096 / 16384 / 65536; one token a warp, 4.34 / 14.62 / 56.73; 1.67 vs
-# 1.54 us at M = 1, where the config that gives the same bits at every M was preferred).
+# The blocks kernel, two tokens on one warp: every M, batch-invariant mode included (run 71, the
+# benchmark's cache: 4.12 / 15.03 / 57.18 us at M = 4096 / 16384 / 65536; the tile kernel's best
+# untuned config 4.06 / 15.82 / 57.75; one token a warp is no faster and gives other bits. At M = 1 it
+# costs 0.1-0.2 us: 1.64 vs 1.44 for KV_SMALL_M).
 KV_DEFAULT = dict(BLOCK_T=2, num_warps=1, blocks=True)
 # The tile kernel's configs, for shapes the blocks kernel does not take. Four tokens a program on
 # 4 warps with the tail option (0.063 ms at M = 65536 vs 0.105 for one token with 2 warps,
