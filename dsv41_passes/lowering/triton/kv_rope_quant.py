@@ -11,9 +11,9 @@ Two kernels compute the same per-row rule:
   4 words]``), so a block's amax never leaves the thread and a row's sum of squares is in-thread adds
   and four lane shuffles; the rotated blocks are read again (L1 hits) into a small ``[tokens,
   rotated words]`` tile, so the RoPE runs on two words a thread. Nothing goes through shared memory.
-  sm_90 SASS, D 512 / rd 64, two tokens on one warp: 653 instructions up to EXIT for 32 elements a
+  sm_90 SASS, D 512 / rd 64, two tokens on one warp: 654 instructions up to EXIT for 32 elements a
   thread, against 505 for 16 in the tile kernel's old default. On the H200 (``bench_rope_store.py``,
-  run 72): 0.0571 / 0.0149 / 0.0041 ms at M = 65536 / 16384 / 4096, 90 / 86 / 78% of the copy
+  run 75): 0.0571 / 0.0148 / 0.0040 ms at M = 65536 / 16384 / 4096, 90 / 86.5 / 79.7% of the copy
   roofline, against 0.0584 / 0.0161 / 0.0042 for the tile kernel's untuned configs (run 30).
 * ``_kv_rope_quant_kernel`` (the tile kernel, every other shape): tile ``[tokens, blocks, words]``
   with Triton's default layout, options ``tail`` (the RoPE on the upper half of the blocks only,
@@ -241,6 +241,28 @@ def _kv_rope_quant_kernel(
                      stride_cache, 0, NB, HB, D, STORE, HW, False)
 
 
+@triton.jit
+def _blocks_weights(w_ptr, col, col_ok, rc, Q: tl.constexpr, BLOCK_T: tl.constexpr, NB: tl.constexpr,
+                    RW: tl.constexpr):
+    """The norm weights of the blocks kernel's two tiles, as (even, odd) fp32 tiles."""
+    gcol = tl.broadcast_to(col, (Q, BLOCK_T, NB, 4))
+    gok = tl.broadcast_to(col_ok, (Q, BLOCK_T, NB, 4))
+    grc = tl.broadcast_to(rc[None, :], (BLOCK_T, RW))
+    if w_ptr.dtype.element_ty == tl.int64:
+        gw = tl.load(w_ptr + gcol, mask=gok, other=0)
+        g0 = (gw & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+        g1 = ((gw >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+        gr = tl.load(w_ptr + grc)
+        gr0 = (gr & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+        gr1 = ((gr >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+    else:
+        g0 = tl.load(w_ptr + 2 * gcol, mask=gok, other=0.0)
+        g1 = tl.load(w_ptr + 2 * gcol + 1, mask=gok, other=0.0)
+        gr0 = tl.load(w_ptr + 2 * grc)
+        gr1 = tl.load(w_ptr + 2 * grc + 1)
+    return g0, g1, gr0, gr1
+
+
 @triton.jit(do_not_specialize=["M", "S"])
 def _kv_rope_quant_blocks_kernel(
     kv_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, cache_ptr, M, S, eps,
@@ -262,9 +284,10 @@ def _kv_rope_quant_blocks_kernel(
            + tl.arange(0, 4)[None, None, None, :])
     col_ok = col < D // 2
     tmask = tok_ok[None, :, None, None]
+    rc = PAIR0 + tl.arange(0, RW)
+    g0, g1, gr0, gr1 = _blocks_weights(w_ptr, col, col_ok, rc, Q, BLOCK_T, NB, RW)
     w = tl.load(kv_ptr + t[None, :, None, None] * stride_km + col, mask=tmask & col_ok, other=0)
     # the rotated words again, as the small tile (L1 hits)
-    rc = PAIR0 + tl.arange(0, RW)
     wr = tl.load(kv_ptr + t[:, None] * stride_km + rc[None, :], mask=tok_ok[:, None], other=0)
     if STORE:
         slot = tl.load(slot_ptr + t * stride_slot, mask=tok_ok, other=-1)
@@ -278,21 +301,10 @@ def _kv_rope_quant_blocks_kernel(
     else:
         c = tl.load(cos_ptr + t[:, None] * stride_cm + p[None, :] * stride_cp, mask=tok_ok[:, None], other=0.0)
         s = tl.load(sin_ptr + t[:, None] * stride_sm + p[None, :] * stride_sp, mask=tok_ok[:, None], other=0.0)
-    gcol = tl.broadcast_to(col, (Q, BLOCK_T, NB, 4))
-    gok = tl.broadcast_to(col_ok, (Q, BLOCK_T, NB, 4))
-    grc = tl.broadcast_to(rc[None, :], (BLOCK_T, RW))
-    if w_ptr.dtype.element_ty == tl.int64:
-        gw = tl.load(w_ptr + gcol, mask=gok, other=0)
-        g0 = (gw & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-        g1 = ((gw >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-        gr = tl.load(w_ptr + grc)
-        gr0 = (gr & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-        gr1 = ((gr >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-    else:
-        g0 = tl.load(w_ptr + 2 * gcol, mask=gok, other=0.0)
-        g1 = tl.load(w_ptr + 2 * gcol + 1, mask=gok, other=0.0)
-        gr0 = tl.load(w_ptr + 2 * grc)
-        gr1 = tl.load(w_ptr + 2 * grc + 1)
+    # every load is issued before the arithmetic: without the barrier ptxas sinks the weight loads
+    # below the row sum and their latency adds to the kv loads' (run 74: 14.65 vs 14.95 us at M = 16384,
+    # 4.05 vs 4.11 at 4096, the same bits)
+    tl.debug_barrier()
     x0, x1 = _unpack_bf16x2(w.to(tl.uint32, bitcast=True))
     sq = x0 * x0 + x1 * x1
     ms = tl.sum(tl.sum(tl.sum(sq, axis=3), axis=0), axis=1) * (1.0 / D)
