@@ -37,9 +37,9 @@ from ...tuning import tactic
 from ..rope_tables import interleaved_view
 from .common import INTERPRET, pairwise_row_sum
 from .rope_store import (
-    _cvt_bf16x2,
     _fp8_qdq_pairs,
     _pack_bf16x2,
+    _pack_words,
     _pow2,
     _round_bf16,
     _round_bf16_pair,
@@ -47,6 +47,7 @@ from .rope_store import (
     _to_e4m3,
     _ue8m0_exponent,
     _unpack_bf16x2,
+    _unpack_f32x2,
     as_words,
 )
 
@@ -105,24 +106,29 @@ def kv_shape_key(kv: torch.Tensor, cos: torch.Tensor, block: int) -> dict:
 
 
 @triton.jit
+def _cache_rows(slot, tok_ok, S):
+    """The cache row of each token and whether it is written: index_put semantics (a negative slot
+    counts from the end); an out-of-range slot is skipped, never written."""
+    row = tl.where(slot < 0, slot + S, slot)
+    return row, tok_ok & (row >= 0) & (row < S)
+
+
+@triton.jit
 def _store_rows(cache_ptr, slot, tok_ok, col, col_ok, out, S, stride_cache):
-    slot = tl.where(slot < 0, slot + S, slot)  # index_put semantics: negative counts from the end
-    keep = tok_ok & (slot >= 0) & (slot < S)  # out-of-range slots are skipped, never written
+    slot, keep = _cache_rows(slot, tok_ok, S)
     tl.store(cache_ptr + slot[:, None, None] * stride_cache + col[None, :, :], out,
              mask=keep[:, None, None] & col_ok[None, :, :])
 
 
 @triton.jit
 def _rope_tables(cos_ptr, sin_ptr, t, p, rot, stride_cm, stride_cp, stride_sm, stride_sp, PAIRED: tl.constexpr):
-    """cos/sin of the pairs ``p`` of tokens ``t`` (0 where ``rot`` is off), as fp32 tiles like ``p``.
-    PAIRED: one int64 load per pair from the interleaved table (cos in the low half)."""
+    """cos/sin of the pairs ``p`` of tokens ``t`` (broadcastable index tiles; 0 where ``rot`` is off), as
+    fp32 tiles. PAIRED: one int64 load per pair from the interleaved table (cos in the low half)."""
     if PAIRED:
-        cs = tl.load(cos_ptr + t[:, None, None] * stride_cm + p[None, :, :], mask=rot, other=0)
-        c = (cs & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)  # little endian: cos first
-        s = ((cs >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+        c, s = _unpack_f32x2(tl.load(cos_ptr + t * stride_cm + p, mask=rot, other=0))
     else:
-        c = tl.load(cos_ptr + t[:, None, None] * stride_cm + p[None, :, :] * stride_cp, mask=rot, other=0.0)
-        s = tl.load(sin_ptr + t[:, None, None] * stride_sm + p[None, :, :] * stride_sp, mask=rot, other=0.0)
+        c = tl.load(cos_ptr + t * stride_cm + p * stride_cp, mask=rot, other=0.0)
+        s = tl.load(sin_ptr + t * stride_sm + p * stride_sp, mask=rot, other=0.0)
     return c, s
 
 
@@ -144,8 +150,8 @@ def _quant_store(y0, y1, t, tok_ok, slot, out_ptr, cache_ptr, S, stride_om, stri
     col = C0 + tl.arange(0, N)[:, None] * HB + tl.arange(0, HB)[None, :]
     col_ok = col < D // 2
     q0, q1 = _fp8_qdq_pairs(y0, y1, HW)
-    if HW and TAIL:
-        out = _cvt_bf16x2(q0, q1).to(tl.int32, bitcast=True)
+    if TAIL:
+        out = _pack_words(q0, q1, HW)
     else:
         out = _pack_bf16x2(q0, q1, HW).to(tl.int32, bitcast=True)
     tl.store(out_ptr + t[:, None, None] * stride_om + col[None, :, :], out,
@@ -193,13 +199,13 @@ def _kv_rope_quant_kernel(
     else:
         p = col - PAIR0
     rot = tok_ok[:, None, None] & ((p >= 0) & (p < D // 2 - PAIR0))[None, :, :]
-    c, s = _rope_tables(cos_ptr, sin_ptr, t, p, rot, stride_cm, stride_cp, stride_sm, stride_sp, PAIRED)
+    c, s = _rope_tables(cos_ptr, sin_ptr, t[:, None, None], p[None, :, :], rot, stride_cm, stride_cp, stride_sm,
+                        stride_sp, PAIRED)
     if w_ptr.dtype.element_ty == tl.int64:
         tl.static_assert(TAIL, "int64 weight pairs are read by the tail path only")
         gw = tl.load(w_ptr + tl.broadcast_to(col[None, :, :], (BLOCK_T, NB, HB)),
                      mask=tl.broadcast_to(col_ok[None, :, :], (BLOCK_T, NB, HB)), other=0)
-        g0 = (gw & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-        g1 = ((gw >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+        g0, g1 = _unpack_f32x2(gw)
     else:
         g0 = tl.load(w_ptr + 2 * col, mask=col_ok, other=0.0)[None, :, :]
         g1 = tl.load(w_ptr + 2 * col + 1, mask=col_ok, other=0.0)[None, :, :]
@@ -249,12 +255,8 @@ def _blocks_weights(w_ptr, col, col_ok, rc, Q: tl.constexpr, BLOCK_T: tl.constex
     gok = tl.broadcast_to(col_ok, (Q, BLOCK_T, NB, 4))
     grc = tl.broadcast_to(rc[None, :], (BLOCK_T, RW))
     if w_ptr.dtype.element_ty == tl.int64:
-        gw = tl.load(w_ptr + gcol, mask=gok, other=0)
-        g0 = (gw & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-        g1 = ((gw >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-        gr = tl.load(w_ptr + grc)
-        gr0 = (gr & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-        gr1 = ((gr >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+        g0, g1 = _unpack_f32x2(tl.load(w_ptr + gcol, mask=gok, other=0))
+        gr0, gr1 = _unpack_f32x2(tl.load(w_ptr + grc))
     else:
         g0 = tl.load(w_ptr + 2 * gcol, mask=gok, other=0.0)
         g1 = tl.load(w_ptr + 2 * gcol + 1, mask=gok, other=0.0)
@@ -293,14 +295,8 @@ def _kv_rope_quant_blocks_kernel(
         slot = tl.load(slot_ptr + t * stride_slot, mask=tok_ok, other=-1)
     else:
         slot = t  # never read
-    p = tl.arange(0, RW)
-    if PAIRED:
-        cs = tl.load(cos_ptr + t[:, None] * stride_cm + p[None, :], mask=tok_ok[:, None], other=0)
-        c = (cs & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-        s = ((cs >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-    else:
-        c = tl.load(cos_ptr + t[:, None] * stride_cm + p[None, :] * stride_cp, mask=tok_ok[:, None], other=0.0)
-        s = tl.load(sin_ptr + t[:, None] * stride_sm + p[None, :] * stride_sp, mask=tok_ok[:, None], other=0.0)
+    c, s = _rope_tables(cos_ptr, sin_ptr, t[:, None], tl.arange(0, RW)[None, :], tok_ok[:, None], stride_cm,
+                        stride_cp, stride_sm, stride_sp, PAIRED)
     # every load is issued before the arithmetic: without the barrier ptxas sinks the weight loads
     # below the row sum and their latency adds to the kv loads' (run 74: 14.65 vs 14.95 us at M = 16384,
     # 4.05 vs 4.11 at 4096, the same bits)
@@ -318,15 +314,11 @@ def _kv_rope_quant_blocks_kernel(
     sc = _pow2(k)[None, :, :, None]
     q0 = _to_e4m3(y0 * inv, HW) * sc  # no clamp: see _fp8_qdq_pairs
     q1 = _to_e4m3(y1 * inv, HW) * sc
-    if HW:
-        out = _cvt_bf16x2(q0, q1).to(tl.int32, bitcast=True)
-    else:
-        out = _pack_bf16x2(q0, q1, HW).to(tl.int32, bitcast=True)
+    out = _pack_words(q0, q1, HW)
     keep_col = col < PAIR0
     tl.store(out_ptr + t[None, :, None, None] * stride_om + col, out, mask=tmask & keep_col)
     if STORE:
-        sl = tl.where(slot < 0, slot + S, slot)
-        keep = tok_ok & (sl >= 0) & (sl < S)
+        sl, keep = _cache_rows(slot, tok_ok, S)
         tl.store(cache_ptr + sl[None, :, None, None] * stride_cache + col, out,
                  mask=keep[None, :, None, None] & keep_col)
     # the rotated words: norm, bf16, RoPE, bf16, FP8 round trip on the small tile
@@ -338,10 +330,7 @@ def _kv_rope_quant_blocks_kernel(
     qr0, qr1 = _fp8_qdq_pairs(tl.reshape(yr0, (BLOCK_T, RW // HB, HB)), tl.reshape(yr1, (BLOCK_T, RW // HB, HB)),
                               HW)
     qr0, qr1 = tl.reshape(qr0, (BLOCK_T, RW)), tl.reshape(qr1, (BLOCK_T, RW))
-    if HW:
-        outr = _cvt_bf16x2(qr0, qr1).to(tl.int32, bitcast=True)
-    else:
-        outr = _pack_bf16x2(qr0, qr1, HW).to(tl.int32, bitcast=True)
+    outr = _pack_words(qr0, qr1, HW)
     tl.store(out_ptr + t[:, None] * stride_om + rc[None, :], outr, mask=tok_ok[:, None])
     if STORE:
         tl.store(cache_ptr + sl[:, None] * stride_cache + rc[None, :], outr, mask=keep[:, None])

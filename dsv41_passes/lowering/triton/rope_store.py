@@ -48,6 +48,13 @@ def _unpack_bf16x2(w):
 
 
 @triton.jit
+def _unpack_f32x2(w):
+    """int64 words holding fp32 pairs (little endian) -> (low, high) elements as fp32, exactly."""
+    return ((w & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True),
+            ((w >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def _bf16_bits(x):
     """fp32 -> uint32 whose high half is the round-to-nearest-even bf16 of ``x`` (low half zero)."""
     b = x.to(tl.uint32, bitcast=True)
@@ -81,6 +88,15 @@ def _cvt_bf16x2(y0, y1):
     ``cvt.rn.bf16x2.f32`` per word (the scalar conversions plus the packing take three)."""
     return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [y0, y1],
                                      dtype=tl.uint32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _pack_words(y0, y1, HW: tl.constexpr):
+    """``_pack_bf16x2`` as int32 words; HW: one ``cvt.rn.bf16x2.f32`` a word (the same bits)."""
+    if HW:
+        return _cvt_bf16x2(y0, y1).to(tl.int32, bitcast=True)
+    else:
+        return _pack_bf16x2(y0, y1, HW).to(tl.int32, bitcast=True)
 
 
 @triton.jit
