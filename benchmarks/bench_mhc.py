@@ -135,8 +135,8 @@ def variants(unit: str, t: dict[str, torch.Tensor], compiled: dict[str, Callable
         if tkm is not None:
             out["tilekernels"] = lambda: tilekernels_post(tkm, y, h, po, co)
     else:
-        out["triton (mhc_boundary)"] = lambda: tk.mhc_boundary(y, h, po, co, pp, parts, sc, ba, w, ITERS, HC_EPS,
-                                                               NORM_EPS, EPS, **kw)
+        out["triton (mhc_boundary, untuned form)"] = lambda: tk.mhc_boundary(y, h, po, co, pp, parts, sc, ba, w, ITERS,
+                                                                             HC_EPS, NORM_EPS, EPS, **kw)
 
         def post_then_pre():
             new = tk.mhc_post(y, h, po, co, **kw)

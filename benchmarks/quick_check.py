@@ -95,7 +95,7 @@ def kv(m: int) -> None:
     # KV_DEFAULT's, and each output's element mismatches against the reference provider's
     tile = {"KV_TILE_DEFAULT": rk.KV_TILE_DEFAULT, "KV_SMALL_M": rk.KV_SMALL_M, "KV_LARGE_M": rk.KV_LARGE_M}
     blocks = {f"blocks BLOCK_T={t},num_warps={nw}": dict(BLOCK_T=t, num_warps=nw, blocks=True)
-              for t, nw in ((2, 1), (1, 1), (4, 2))}
+              for t, nw in ((2, 1), (1, 1), (4, 2), (4, 4), (8, 4), (8, 8), (16, 8))}
     for name, cfg in {**blocks, **tile}.items():
         out = run(cfg)
         t = time_ms(lambda cfg=cfg: run(cfg))

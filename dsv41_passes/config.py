@@ -23,6 +23,8 @@ class PassConfig:
     dump_dir: write before/after graphs, every registered pattern and the report there.
     static_weights: the mHC projection's derived (split) weights are built once; an in-place
         weight update is then rejected with an error instead of refreshing them.
+    mhc_boundary: each mHC post is fused with the next sub-block's ``mhc_pre`` into ``mhc_boundary``
+        (same bits; its Triton provider picks the faster form by M: see ``lowering.triton.mhc``).
     """
 
     mhc: bool = True
@@ -32,7 +34,7 @@ class PassConfig:
     providers: tuple[str, ...] = _PROVIDERS
     dump_dir: str | None = None
     static_weights: bool = False
-    mhc_boundary: bool = False
+    mhc_boundary: bool = True
     hc_sinkhorn_iters: int = 20
 
     def __post_init__(self) -> None:

@@ -7,7 +7,7 @@ Fixed order, each stage timed and reported:
 3. ``rope_store`` Q RoPE + padded-Q store, KV norm + RoPE + FP8 + cache store;
 4. ``wo_a``       inverse RoPE + grouped low-rank output projection;
 5. ``fuse``       mHC ops sharing the residual merge: stats + collapse -> ``mhc_pre`` (one
-                  read); with ``mhc_boundary=True`` also post -> next pre -> ``mhc_boundary``;
+                  read); then (``mhc_boundary``, on by default) post -> next pre -> ``mhc_boundary``;
 6. ``order_stores`` a fused KV store whose cache is read again afterwards (old rows) is split
                   into the fused compute + an ``index_put`` placed after the last read, so
                   Inductor writes the cache in place instead of copying it;

@@ -21,17 +21,18 @@ def _compile(model, **cfg):
     return out, ref, dp.last_report()
 
 
-def test_v41_sites_and_logits_default_fusion():
-    out, ref, rep = _compile(tiny_model(), **REF_ONLY)
+def test_v41_sites_and_logits_without_boundary_fusion():
+    out, ref, rep = _compile(tiny_model(), mhc_boundary=False, **REF_ONLY)
     assert rep.sites == {"mhc_stats": 2 * L, "mhc_collapse": 2 * L + 1, "mhc_post": 2 * L}, rep.to_markdown()
     assert torch.equal(out, ref)
     calls = re.findall(r"dsv41\.(\w+)\.default", rep.after)
-    # every sub-block's stats + collapse share one read; posts and the final collapse stay on their own
+    # boundary fusion off: every sub-block's stats + collapse share one read; posts and the final collapse
+    # stay on their own
     assert sorted(calls) == sorted(["mhc_pre"] * (2 * L) + ["mhc_post"] * (2 * L) + ["mhc_collapse"])
 
 
 def test_v41_sites_boundary_and_logits():
-    out, ref, rep = _compile(tiny_model(), mhc_boundary=True, **REF_ONLY)
+    out, ref, rep = _compile(tiny_model(), **REF_ONLY)  # the default forms the boundaries
     assert rep.sites == {"mhc_stats": 2 * L, "mhc_collapse": 2 * L + 1, "mhc_post": 2 * L}, rep.to_markdown()
     assert torch.equal(out, ref)  # reference providers + emulated casts: eager's bits
     calls = re.findall(r"dsv41\.(\w+)\.default", rep.after)

@@ -38,7 +38,7 @@ def test_uuid_stable_across_processes():
 @pytest.mark.parametrize(
     "change",
     [dict(mhc=False), dict(rope_store=False), dict(wo_a=False), dict(batch_invariant=True),
-     dict(providers=("triton", "reference")), dict(static_weights=True), dict(mhc_boundary=True),
+     dict(providers=("triton", "reference")), dict(static_weights=True), dict(mhc_boundary=False),
      dict(hc_sinkhorn_iters=19)],
 )
 def test_uuid_changes_with_each_config_field(change):

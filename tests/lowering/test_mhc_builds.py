@@ -91,6 +91,12 @@ def _sm90_builds(d: int = 5120) -> tuple[list[str], list[dict]]:
             dict(D=d, BK=bk, BLOCK_R=cfg["BLOCK_R"], XB=tk._norm_block(d, cfg["BLOCK_R"]), NORM=norm, SPLIT=1,
                  INTERP=False),
             num_warps=cfg["num_warps"])
+    pc = tk.DEFAULTS["mhc_boundary"]  # the GPU's post + collapse config (the post_collapse form at prefill sizes)
+    for split in (1, 2):
+        add(f"post collapse split={split}", "_post_collapse_kernel",
+            "y_ptr res_ptr post_ptr comb_ptr pre_ptr w_ptr new_ptr x_ptr".split(), ("eps",),
+            dict(D=d, BK=bk, BLOCK_R=pc["post_rows"], BLOCK_D=pc["post_cols"], NORM=True, SPLIT=split, INTERP=False),
+            num_warps=pc["post_warps"])
     cfg = tk.DEFAULTS["mhc_post"]
     post = dict(D=d, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"], ROW_MAJOR=cfg.get("order", "row") == "row",
                 INTERP=False)
@@ -136,7 +142,8 @@ def test_triton_sm90_builds_one_wgmma_shape_and_no_fma():
     assert usage and usage["STACK"] == 0 and usage["REG"] <= 255, usage
     for n in ("collapse norm=False", "collapse norm=True", "post", "finish kernel 16 partials",
               "finish kernel 32 partials", "pre finish=kernel split=2", "decode pre 16x4 split=2",
-              "decode boundary 16x4 split=2", "decode finish kernel", "finish kernel row-major norm"):
+              "decode boundary 16x4 split=2", "decode finish kernel", "finish kernel row-major norm",
+              "post collapse split=1", "post collapse split=2"):
         assert built[n]["usage"]["STACK"] == 0, (n, built[n]["usage"])
     from dsv41_passes.lowering.triton.mhc_projection import _gdc_wait
 

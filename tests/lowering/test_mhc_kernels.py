@@ -367,6 +367,8 @@ def test_decode_sizes_split_k_slices_in_two_outside_batch_invariant_mode():
     )
 
     for op in SPLIT_OPS:
+        if op == "mhc_boundary":  # its forms take the untuned configs of the ops they run (next test)
+            continue
         # 16-row blocks up to SMALL_ROWS_MAX_M for the projection ops (the collapse keeps its rows)
         small, above = (untuned_config(op, m, 5120, False) for m in (SMALL_ROWS_MAX_M, SMALL_ROWS_MAX_M + 1))
         if op == "mhc_collapse":
@@ -384,6 +386,56 @@ def test_decode_sizes_split_k_slices_in_two_outside_batch_invariant_mode():
         assert untuned_config(op, 1, D, False).get("split", 1) == 1  # hidden 64: one 4-column chunk a slice
     assert "split" not in untuned_config("mhc_post", 1, 5120, False)
     assert tk.default_config("mhc_stats")["finish"] == "kernel"
+
+
+def test_boundary_untuned_forms():
+    """Up to BOUNDARY_POST_PRE_MAX_M tokens the boundary runs the post kernel and mhc_pre with mhc_pre's untuned
+    config; above, the post + collapse kernel and mhc_stats with the stats' config; batch-invariant mode keeps
+    the one default (post then pre) at every M."""
+    from dsv41_passes.lowering.triton.mhc_common import BOUNDARY_POST_PRE_MAX_M, untuned_config
+
+    dflt = tk.default_config("mhc_boundary")
+    post = {k: dflt[k] for k in ("post_rows", "post_cols", "post_warps")}
+    for m in (1, 64, 128, BOUNDARY_POST_PRE_MAX_M):
+        assert untuned_config("mhc_boundary", m, 5120, False) == dict(untuned_config("mhc_pre", m, 5120, False),
+                                                                      form="post_pre", **post)
+    for m in (BOUNDARY_POST_PRE_MAX_M + 1, 4096, 65536):
+        assert untuned_config("mhc_boundary", m, 5120, False) == dict(untuned_config("mhc_stats", m, 5120, False),
+                                                                      form="post_collapse", **post)
+    for m in (1, 65536):
+        assert untuned_config("mhc_boundary", m, 5120, True) == dflt
+    assert dflt["form"] == "post_pre"
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_boundary_forms_give_the_same_bits(split):
+    """The three forms of the boundary (one projection kernel with the post in it; the post kernel then mhc_pre;
+    the post + collapse kernel then mhc_stats) compute the same five outputs bitwise, at several rows and warps
+    a program of the post + collapse kernel, with and without the norm (hidden 1024: 2 chunks a K slice, with
+    streams that cancel in the collapse)."""
+    t = with_cancellation(make_inputs(11, 1024, seed=13))
+    proj = dict(tk.default_config("mhc_pre"), split=split)
+    for weight in ("w", None):
+        ref = boundary_op(t, weight, config=dict(proj, form="post_pre"))
+        assert_equal(ref[0], post_op(t), "post_pre new_res")
+        variants = [dict(proj, form="fused")] + [dict(proj, form="post_collapse", post_rows=r, post_cols=c,
+                                                       post_warps=w) for r, c, w in ((1, 1024, 1), (4, 256, 2))]
+        for cfg in variants if weight else variants[-1:]:
+            for i, (a, b) in enumerate(zip(boundary_op(t, weight, config=cfg), ref)):
+                assert_equal(a, b, f"output {i} {cfg}")
+
+
+def test_boundary_rejects_bad_forms():
+    t = make_inputs(4, 1024, seed=1)
+    proj = tk.default_config("mhc_pre")
+    with pytest.raises(ValueError, match="form must be"):
+        boundary_op(t, config=dict(proj, form="later"))
+    with pytest.raises(ValueError, match="post_rows must be"):
+        boundary_op(t, config=dict(proj, form="post_collapse", post_rows=3))
+    with pytest.raises(ValueError, match="post_cols must be"):
+        boundary_op(t, config=dict(proj, form="post_collapse", post_cols=0))
+    with pytest.raises(ValueError, match="takes split 1 or 2"):  # hidden 5120: 10 chunks a K slice; no launch
+        boundary_op(make_inputs(1, 5120, seed=1), config=dict(proj, form="post_collapse", split=5))
 
 
 def test_empty_batch():

@@ -1,5 +1,6 @@
-"""Triton kernels of the mHC family (hc_mult 4, bf16 residual): post and collapse here, the
-projection kernel (stats, pre, boundary) in ``mhc_projection``; configs in ``mhc_common``.
+"""Triton kernels of the mHC family (hc_mult 4, bf16 residual): post, collapse, the boundary's post +
+collapse kernel and ``mhc_boundary``'s forms here, the projection kernel (stats, pre, the fused boundary)
+in ``mhc_projection``; configs in ``mhc_common``.
 
 Numerics shared by every kernel, so that one op's bits are the other ops' bits
 and never depend on M, the launch grid or the config:
@@ -65,7 +66,7 @@ from .mhc_common import (  # noqa: F401  (the family's configs, re-exported)
     unsupported,
     untuned_config,
 )
-from .mhc_projection import _proj_kernel, mhc_boundary, mhc_pre, mhc_stats, stats_mixes  # noqa: F401
+from .mhc_projection import _proj_kernel, boundary_fused, mhc_pre, mhc_stats, stats_mixes  # noqa: F401
 
 # ----------------------------------------------------------------------------- post
 @triton.jit(do_not_specialize=["M"])
@@ -189,3 +190,144 @@ def mhc_collapse(h, pre, weight, eps: float, *, batch_invariant: bool, config: d
     )
     return x
 
+
+
+# ----------------------------------------------------------------------------- boundary: post, then collapse (+ norm)
+@triton.jit
+def _row_coefs(ptr, rmask):
+    """Four consecutive fp32 values of each row, as ``[rows, 1]`` columns."""
+    return (tl.load(ptr, mask=rmask, other=0.0)[:, None], tl.load(ptr + 1, mask=rmask, other=0.0)[:, None],
+            tl.load(ptr + 2, mask=rmask, other=0.0)[:, None], tl.load(ptr + 3, mask=rmask, other=0.0)[:, None])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _post_collapse_kernel(
+    y_ptr, res_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, new_ptr, x_ptr, M, stride_y, stride_r, stride_n, stride_x,
+    eps, D: tl.constexpr, BK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    NORM: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
+):
+    """The post of whole rows, then the collapse (+ norm) of the new residual as written, with
+    ``_post_kernel``'s and ``_collapse_kernel``'s arithmetic (and so their bits):
+
+    1. post and collapse on ``[rows, BLOCK_D]`` tiles (the post kernel's), new_res and the plain x stored;
+    2. x read back (L2) as ``[rows, pieces, BK]`` tiles, chunk c of every piece a step: the sums of squares
+       in the collapse kernel's order (a step stores nothing, so every step's loads are issued at once);
+    3. x read back once more on the tiles of 1., normalized, stored."""
+    DS: tl.constexpr = D // _S
+    CPP: tl.constexpr = DS // BK // SPLIT  # chunks a piece
+    NPC: tl.constexpr = _S * SPLIT  # pieces a row
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < M
+    m2 = rmask[:, None]
+    rr = rows[:, None]
+    p0, p1, p2, p3 = _row_coefs(pre_ptr + rows * 4, rmask)
+    q0, q1, q2, q3 = _row_coefs(post_ptr + rows * 4, rmask)
+    c00, c01, c02, c03 = _row_coefs(comb_ptr + rows * 16, rmask)  # c_jk = comb[:, j, k]
+    c10, c11, c12, c13 = _row_coefs(comb_ptr + rows * 16 + 4, rmask)
+    c20, c21, c22, c23 = _row_coefs(comb_ptr + rows * 16 + 8, rmask)
+    c30, c31, c32, c33 = _row_coefs(comb_ptr + rows * 16 + 12, rmask)
+    for j in range(D // BLOCK_D):
+        cols = j * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]
+        yv = tl.load(y_ptr + rr * stride_y + cols, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        rb = res_ptr + rr * stride_r + cols
+        r0 = tl.load(rb, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        r1 = tl.load(rb + D, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        r2 = tl.load(rb + 2 * D, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        r3 = tl.load(rb + 3 * D, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        nb = new_ptr + rr * stride_n + cols
+        h0b, h0 = _round_bf16(_combine(yv, r0, r1, r2, r3, q0, c00, c10, c20, c30), INTERP)
+        h1b, h1 = _round_bf16(_combine(yv, r0, r1, r2, r3, q1, c01, c11, c21, c31), INTERP)
+        h2b, h2 = _round_bf16(_combine(yv, r0, r1, r2, r3, q2, c02, c12, c22, c32), INTERP)
+        h3b, h3 = _round_bf16(_combine(yv, r0, r1, r2, r3, q3, c03, c13, c23, c33), INTERP)
+        tl.store(nb, h0b, mask=m2)
+        tl.store(nb + D, h1b, mask=m2)
+        tl.store(nb + 2 * D, h2b, mask=m2)
+        tl.store(nb + 3 * D, h3b, mask=m2)
+        xb, _ = _round_bf16(_collapse(h0, h1, h2, h3, p0, p1, p2, p3), INTERP)
+        tl.store(x_ptr + rr * stride_x + cols, xb, mask=m2)
+    if NORM:
+        tl.debug_barrier()  # x as written by the other threads of the program
+        piece = tl.arange(0, NPC)[None, :, None] * (CPP * BK) + tl.arange(0, BK)[None, None, :]
+        xp = x_ptr + rows[:, None, None] * stride_x + piece
+        m3 = rmask[:, None, None]
+        xsq = tl.zeros((BLOCK_R, NPC, BK), tl.float32)
+        for c in tl.static_range(CPP):
+            xc = tl.load(xp + c * BK, mask=m3, other=0.0).to(tl.float32)
+            xsq = tl.fma(xc, xc, xsq)
+        # each piece's positions by the pairwise tree, then the pieces in order (a sum with one nonzero
+        # term is that term exactly)
+        part = tl.reshape(pairwise_row_sum(tl.reshape(xsq, (BLOCK_R * NPC, BK)), BLOCK_R * NPC, BK), (BLOCK_R, NPC))
+        idx = tl.arange(0, NPC)[None, :]
+        sumsq = tl.zeros((BLOCK_R,), tl.float32)
+        for i in tl.static_range(NPC):
+            sumsq += tl.sum(tl.where(idx == i, part, 0.0), axis=1)
+        rstd = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(sumsq, D * 1.0) + eps))[:, None]
+        for j in range(D // BLOCK_D):
+            cols = j * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]
+            ptrs = x_ptr + rr * stride_x + cols
+            xv = tl.load(ptrs, mask=m2, other=0.0).to(tl.float32)
+            wv = tl.load(w_ptr + cols).to(tl.float32)
+            tl.store(ptrs, rne_bf16(wv * (xv * rstd), INTERP).to(x_ptr.dtype.element_ty), mask=m2)
+
+
+def post_collapse(y, res, post, comb, pre_prev, weight, eps: float, *, rows: int, cols: int, warps: int,
+                  split: int):
+    """(new_res, x): ``mhc_post`` then ``mhc_collapse`` of its output (split ``split``), one kernel."""
+    m, n, d = res.shape
+    new_res = torch.empty((m, n, d), dtype=res.dtype, device=res.device)
+    x = torch.empty((m, d), dtype=res.dtype, device=res.device)
+    if m == 0:
+        return new_res, x
+    if rows < 1 or rows & (rows - 1):
+        raise ValueError(f"Triton mhc_boundary: post_rows must be a power of two, got {rows}")
+    cols = min(cols, d & -d)
+    if cols < 1 or cols & (cols - 1):
+        raise ValueError(f"Triton mhc_boundary: post_cols must be a power of two, got {cols}")
+    if split not in (1, 2):
+        raise ValueError(f"Triton mhc_boundary: the post_collapse form takes split 1 or 2, got {split}")
+    _, bk = slice_geometry(d)
+    w = weight.contiguous() if weight is not None else pre_prev
+    _post_collapse_kernel[(triton.cdiv(m, rows),)](
+        y, res, post.contiguous(), comb.contiguous(), pre_prev.contiguous(), w, new_res, x, m,
+        y.stride(0), res.stride(0), new_res.stride(0), x.stride(0), float(eps),
+        D=d, BK=bk, BLOCK_R=rows, BLOCK_D=cols, NORM=weight is not None, SPLIT=split,
+        INTERP=INTERPRET, num_warps=warps, **LAUNCH_OPTIONS,
+    )
+    return new_res, x
+
+
+# the boundary's forms (config key ``form``); every one gives the same bits for the same projection config
+BOUNDARY_FORMS = ("fused", "post_pre", "post_collapse")
+_BOUNDARY_KEYS = ("form", "post_rows", "post_cols", "post_warps")
+
+
+def mhc_boundary(y, res, post, comb, pre_prev, parts, scale, base, weight, iters, hc_eps, norm_eps, eps, *,
+                 batch_invariant: bool, config: dict | None = None):
+    """(new_res, x, pre, post, comb) of post then pre. Forms: ``fused`` (one projection kernel also
+    computes the post: the new residual is never re-read), ``post_pre`` (the post kernel, then
+    ``mhc_pre``), ``post_collapse`` (one kernel for the post and the collapse + norm of whole rows, then
+    ``mhc_stats``: the new residual is read once more, by the stats). The rest of the config is the
+    projection's."""
+    why = unsupported(res)
+    if why:
+        raise ValueError(f"Triton mhc_boundary: {why}")
+    if y.stride(-1) != 1:
+        raise ValueError("Triton mhc_boundary: y must be contiguous along hidden")
+    m, n, d = res.shape
+    cfg = config or tactic("mhc_boundary", m, dict(d=d, n=n), untuned_config("mhc_boundary", m, d, batch_invariant),
+                           batch_invariant=batch_invariant)
+    form = cfg.get("form", "fused")
+    if form not in BOUNDARY_FORMS:
+        raise ValueError(f"Triton mhc_boundary: form must be one of {BOUNDARY_FORMS}, got {form!r}")
+    proj = {k: v for k, v in cfg.items() if k not in _BOUNDARY_KEYS}
+    kw = dict(batch_invariant=batch_invariant, config=proj)
+    if form == "fused":
+        return boundary_fused(y, res, post, comb, pre_prev, parts, scale, base, weight, iters, hc_eps, norm_eps, eps,
+                              **kw)
+    if form == "post_pre":
+        new_res = mhc_post(y, res, post, comb, batch_invariant=batch_invariant)
+        return (new_res, *mhc_pre(new_res, pre_prev, parts, scale, base, weight, iters, hc_eps, norm_eps, eps, **kw))
+    split = check_split("mhc_boundary", proj, d)
+    new_res, x = post_collapse(y, res, post, comb, pre_prev, weight, eps, rows=int(cfg.get("post_rows", 4)),
+                               cols=int(cfg.get("post_cols", 1024)), warps=int(cfg.get("post_warps", 8)), split=split)
+    return (new_res, x, *mhc_stats(new_res, parts, scale, base, iters, hc_eps, norm_eps, **kw))

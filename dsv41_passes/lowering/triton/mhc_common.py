@@ -37,7 +37,8 @@ DEFAULTS: dict[str, dict] = {
     "mhc_collapse": dict(BLOCK_R=32, num_warps=4),
     "mhc_stats": dict(BLOCK_M=64, num_warps=4, num_stages=3, finish="kernel"),
     "mhc_pre": dict(BLOCK_M=64, num_warps=4, num_stages=3, finish="kernel"),
-    "mhc_boundary": dict(BLOCK_M=64, num_warps=4, num_stages=4, finish="kernel"),
+    "mhc_boundary": dict(BLOCK_M=64, num_warps=4, num_stages=3, finish="kernel", form="post_pre", post_rows=1,
+                         post_cols=1024, post_warps=4),
 }
 # Under the CPU interpreter every program costs milliseconds: fewer, larger tiles. Every config computes
 # the same bits (see the module docstring), so this changes the speed of the tests, not their results.
@@ -46,7 +47,8 @@ INTERPRETER_DEFAULTS: dict[str, dict] = {
     "mhc_collapse": dict(BLOCK_R=256, num_warps=4),
     "mhc_stats": dict(BLOCK_M=512, num_warps=8, num_stages=1, finish="kernel"),
     "mhc_pre": dict(BLOCK_M=512, num_warps=8, num_stages=1, finish="kernel"),
-    "mhc_boundary": dict(BLOCK_M=512, num_warps=8, num_stages=1, finish="kernel"),
+    "mhc_boundary": dict(BLOCK_M=512, num_warps=8, num_stages=1, finish="kernel", form="post_pre", post_rows=64,
+                         post_cols=1024, post_warps=4),
 }
 
 
@@ -88,12 +90,27 @@ FINISH_SMALL = dict(finish_rows=2, finish_warps=2)
 _PROJ_OPS = ("mhc_stats", "mhc_pre", "mhc_boundary")
 
 
+# mhc_boundary (``form``, see ``mhc.mhc_boundary``). Outside batch-invariant mode: up to
+# BOUNDARY_POST_PRE_MAX_M tokens the post kernel then mhc_pre, above it the post + collapse kernel (one row
+# a program on 4 warps, 1024-column tiles) then mhc_stats. Runs 79 / 82 (us, post_collapse vs post_pre):
+# 2764 vs 3051 at M = 65536, 723 vs 844 at 16384, 154.7 vs 157.6 at 3072, 110.9 vs 110.1 at 2048, 63.7 vs
+# 56.6 at 1024. Batch-invariant mode keeps post_pre at every M (no M-dependent tactic). Every form gives
+# the same bits for one projection config; each form's projection takes the untuned config of the op it
+# runs (mhc_pre / mhc_stats).
+BOUNDARY_POST_PRE_MAX_M = 2048
+_BOUNDARY_POST = ("post_rows", "post_cols", "post_warps")
+
+
 def untuned_config(op: str, m: int, d: int, batch_invariant: bool) -> dict:
     """The config ``tactic`` falls back to: the fixed default; at decode sizes outside batch-invariant mode
     split 2 (when a K slice has an even number of chunks), up to SMALL_ROWS_MAX_M 16-row blocks (and for
     ``mhc_stats`` the last-arriver finish), then up to FINISH_SMALL_MAX_M (``mhc_pre``) the small-row
     finish."""
     cfg = default_config(op)
+    if op == "mhc_boundary" and not batch_invariant and cfg.get("form") in ("post_pre", "post_collapse"):
+        form = "post_pre" if m <= BOUNDARY_POST_PRE_MAX_M else "post_collapse"
+        proj = untuned_config("mhc_pre" if form == "post_pre" else "mhc_stats", m, d, False)
+        return dict(proj, **{k: cfg[k] for k in _BOUNDARY_POST if k in cfg}, form=form)
     if batch_invariant or op not in SPLIT_OPS or m > SPLIT2_MAX_M or "split" in cfg:
         return cfg
     ds, bk = slice_geometry(d)
@@ -125,6 +142,9 @@ _PROJ_CANDIDATES = [
 _FINISH = [dict(c, finish="kernel") for c in _PROJ_CANDIDATES]
 # 256 rows halve the L2 traffic of the weight parts per row; the boundary's extra tiles do not fit there
 _WIDE = [dict(BLOCK_M=256, num_warps=8, num_stages=st) for st in (2, 3)]
+# the boundary's post + collapse kernel: rows and warps a program (the projection: the stats' default)
+_POST_COLLAPSE = [dict(DEFAULTS["mhc_stats"], form="post_collapse", post_rows=r, post_cols=c, post_warps=w)
+                  for r, c, w in ((1, 1024, 4), (2, 1024, 8), (4, 1024, 8), (4, 512, 4), (8, 512, 8))]
 CANDIDATES: dict[str, list[dict]] = {
     "mhc_post": [
         dict(BLOCK_R=r, BLOCK_D=b, num_warps=w)
@@ -136,7 +156,7 @@ CANDIDATES: dict[str, list[dict]] = {
     "mhc_collapse": [dict(BLOCK_R=r, num_warps=w) for r in (16, 32, 64) for w in (4, 8)],
     "mhc_stats": _PROJ_CANDIDATES + _WIDE,
     "mhc_pre": _PROJ_CANDIDATES + _FINISH + _WIDE,
-    "mhc_boundary": _PROJ_CANDIDATES + _FINISH,
+    "mhc_boundary": _POST_COLLAPSE + [dict(DEFAULTS["mhc_pre"], form="post_pre")] + _PROJ_CANDIDATES + _FINISH,
 }
 
 

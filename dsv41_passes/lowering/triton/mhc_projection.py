@@ -509,8 +509,9 @@ def mhc_pre(h, pre_prev, parts, scale, base, weight, iters, hc_eps, norm_eps, ep
     return o["x"], o["pre"], o["post"], o["comb"]
 
 
-def mhc_boundary(y, res, post, comb, pre_prev, parts, scale, base, weight, iters, hc_eps, norm_eps, eps, *,
-                 batch_invariant: bool, config: dict | None = None):
+def boundary_fused(y, res, post, comb, pre_prev, parts, scale, base, weight, iters, hc_eps, norm_eps, eps, *,
+                   batch_invariant: bool, config: dict | None = None):
+    """``mhc_boundary``'s ``fused`` form: the projection kernel also computes the post."""
     if y.stride(-1) != 1:
         raise ValueError("Triton mhc_boundary: y must be contiguous along hidden")
     o = _launch_proj("mhc_boundary", res, parts, scale, base, iters, hc_eps, norm_eps,

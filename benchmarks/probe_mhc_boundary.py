@@ -1,0 +1,72 @@
+"""Forms of the Triton ``mhc_boundary`` (post of sub-block i, then stats + collapse + norm of i+1), V4.1-Flash
+shapes: ``post_pre`` (the post kernel, then ``mhc_pre``: what the pass formed before), ``post_collapse`` (one
+kernel for the post and the collapse + norm of whole rows, then ``mhc_stats``) at several rows / warps a
+program, and ``fused`` (the projection kernel computes the post). Each variant's five outputs are compared
+bitwise with ``post_pre``'s, then timed as a CUDA-graph replay with the device time of each kernel.
+
+    source .devsite/setup.sh && python3 benchmarks/probe_mhc_boundary.py [--no-fused] [M ...]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import kernel_summary, time_ms  # noqa: E402
+
+ITERS, EPS, D = 20, 1e-6, 5120
+POST_COLLAPSE = ((1, 1024, 4), (2, 1024, 4), (2, 1024, 8), (4, 1024, 8), (4, 512, 4), (4, 512, 8), (8, 512, 8),
+                 (4, 256, 4), (1, 256, 1))
+
+
+def variants(m: int) -> dict[str, dict]:
+    from dsv41_passes.lowering.triton.mhc_common import untuned_config
+
+    pre, stats = untuned_config("mhc_pre", m, D, False), untuned_config("mhc_stats", m, D, False)
+    out = {"post_pre": dict(pre, form="post_pre")}
+    for r, c, w in POST_COLLAPSE:
+        out[f"post_collapse {r}x{c} w{w}"] = dict(stats, form="post_collapse", post_rows=r, post_cols=c, post_warps=w)
+    if "--no-fused" not in sys.argv and m <= 4096:
+        out["fused"] = dict(pre, form="fused")
+    return out
+
+
+def main() -> None:
+    import dsv41_passes  # noqa: F401
+    from benchmarks.quick_check import mhc_inputs
+    from dsv41_passes.lowering.triton import mhc as tk
+
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    sizes = [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [1, 128, 256, 512, 1024, 4096, 16384, 65536]
+    rows = []
+    for m in sizes:
+        t = mhc_inputs(m)
+        y, post, comb = t["y"], t["post"], t["comb"]
+
+        def run(c):
+            return tk.mhc_boundary(y, t["h"], post, comb, t["pre_prev"], t["parts"], t["scale"], t["base"], t["w"],
+                                   ITERS, EPS, EPS, EPS, batch_invariant=False, config=c)
+
+        ref = None
+        for name, cfg in variants(m).items():
+            out = run(cfg)
+            ref = out if ref is None else ref
+            same = all(torch.equal(a, b) for a, b in zip(out, ref))
+            out = None
+            ms = time_ms(lambda cfg=cfg: run(cfg))
+            rows.append((m, name, same, f"{ms * 1e3:.2f}", kernel_summary(lambda cfg=cfg: run(cfg))))
+            print(*rows[-1], sep=" | ", flush=True)
+        t = ref = y = None
+        torch.cuda.empty_cache()
+    print("\nus per call (CUDA-graph replay); bits = all five outputs equal to post_pre's")
+    print("| M | form | bits | us | kernels (us) |\n|---|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(str(v) for v in r) + " |")
+
+
+if __name__ == "__main__":
+    main()
