@@ -75,6 +75,29 @@ def kernel_summary(fn: Callable[[], Any]) -> str:
     return " + ".join(f"{k.strip('_')[:8]} {us:.2f}" for k, (us, _) in kernel_times_us(fn).items())
 
 
+def compare_and_time(run: Callable[[Any], Any], variants: dict[str, Any], prefix: tuple = ()) -> list[tuple]:
+    """Each config of ``variants`` (name -> config) through ``run``: its outputs compared bitwise with the
+    first variant's, then its CUDA-graph time and per-kernel device times. Rows ``(*prefix, name, same bits,
+    us, kernels)``, each printed as it is measured."""
+    rows, ref = [], None
+    for name, cfg in variants.items():
+        out = run(cfg)
+        ref = out if ref is None else ref
+        same = all(torch.equal(a, b) for a, b in zip(out, ref))
+        out = None
+        ms = time_ms(lambda cfg=cfg: run(cfg))
+        rows.append((*prefix, name, same, f"{ms * 1e3:.2f}", kernel_summary(lambda cfg=cfg: run(cfg))))
+        print(*rows[-1], sep=" | ", flush=True)
+    return rows
+
+
+def print_markdown(note: str, header: list[str], rows: list[tuple]) -> None:
+    print(f"\n{note}")
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for r in rows:
+        print("| " + " | ".join(str(v) for v in r) + " |")
+
+
 def time_ms(fn: Callable[[], Any], graph: bool = True, reps: int = 30, inner: int | None = None) -> float:
     """Median milliseconds per call of ``fn`` (CUDA-graph replay unless ``graph=False``).
 

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import kernel_summary, time_ms  # noqa: E402
+from benchmarks.common import compare_and_time, print_markdown  # noqa: E402
 
 ITERS, EPS, D = 20, 1e-6, 5120
 POST_COLLAPSE = ((1, 1024, 4), (2, 1024, 4), (2, 1024, 8), (4, 1024, 8), (4, 512, 4), (4, 512, 8), (8, 512, 8),
@@ -51,21 +51,11 @@ def main() -> None:
             return tk.mhc_boundary(y, t["h"], post, comb, t["pre_prev"], t["parts"], t["scale"], t["base"], t["w"],
                                    ITERS, EPS, EPS, EPS, batch_invariant=False, config=c)
 
-        ref = None
-        for name, cfg in variants(m).items():
-            out = run(cfg)
-            ref = out if ref is None else ref
-            same = all(torch.equal(a, b) for a, b in zip(out, ref))
-            out = None
-            ms = time_ms(lambda cfg=cfg: run(cfg))
-            rows.append((m, name, same, f"{ms * 1e3:.2f}", kernel_summary(lambda cfg=cfg: run(cfg))))
-            print(*rows[-1], sep=" | ", flush=True)
-        t = ref = y = None
+        rows += compare_and_time(run, variants(m), (m,))
+        t = y = post = comb = None
         torch.cuda.empty_cache()
-    print("\nus per call (CUDA-graph replay); bits = all five outputs equal to post_pre's")
-    print("| M | form | bits | us | kernels (us) |\n|---|---|---|---|---|")
-    for r in rows:
-        print("| " + " | ".join(str(v) for v in r) + " |")
+    print_markdown("us per call (CUDA-graph replay); bits = all five outputs equal to post_pre's",
+                   ["M", "form", "bits", "us", "kernels (us)"], rows)
 
 
 if __name__ == "__main__":

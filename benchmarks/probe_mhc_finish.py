@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import kernel_summary, time_ms  # noqa: E402
+from benchmarks.common import compare_and_time, print_markdown  # noqa: E402
 
 ITERS, EPS, D = 20, 1e-6, 5120
 
@@ -55,20 +55,11 @@ def main() -> None:
                                             EPS, EPS, EPS, batch_invariant=False, config=c),
         }
         for op, run in runs.items():
-            ref = None
-            for name, cfg in variants(op, m).items():
-                out = run(cfg)
-                ref = out if ref is None else ref
-                same = all(torch.equal(a, b) for a, b in zip(out, ref))
-                ms = time_ms(lambda cfg=cfg: run(cfg))
-                rows.append((m, op, name, same, f"{ms * 1e3:.2f}", kernel_summary(lambda cfg=cfg: run(cfg))))
-                print(*rows[-1], sep=" | ", flush=True)
+            rows += compare_and_time(run, variants(op, m), (m, op))
         t = runs = None
         torch.cuda.empty_cache()
-    print("\nus per call (CUDA-graph replay); bits = all outputs equal to the untuned config's")
-    print("| M | op | config | bits | us | kernels (us) |\n|---|---|---|---|---|---|")
-    for r in rows:
-        print("| " + " | ".join(str(v) for v in r) + " |")
+    print_markdown("us per call (CUDA-graph replay); bits = all outputs equal to the untuned config's",
+                   ["M", "op", "config", "bits", "us", "kernels (us)"], rows)
 
 
 if __name__ == "__main__":
