@@ -51,12 +51,13 @@ def layer_fused_nodes(g: nx.DiGraph, fused: dict[str, str], rows, layer: int) ->
     """The fused nodes of one layer.
 
     The graph's nodes carry no layer, so this uses the data flow: every layer ends in the
-    mHC post of its FFN sub-block, and layer ``layer``'s fused ops are the ones that this post
+    mHC post of its FFN sub-block (an ``mhc_boundary`` node where the next layer's pre joined it), and layer ``layer``'s fused ops are the ones that this post
     depends on and the previous layer's last post does not.
     """
     per_layer = sum(r.kind == "mhc_post" and r.layer == layer and r.status == "rewritten" for r in rows)
-    # With the default PassConfig (mhc_boundary off) each post is its own node; graph order is topological.
-    posts = [n for n in g.nodes if fused.get(n) == "mhc_post"]
+    # Each post is its own node or, fused with the next sub-block's pre, the one post of an mhc_boundary
+    # node (the default); graph order is topological.
+    posts = [n for n in g.nodes if fused.get(n) in ("mhc_post", "mhc_boundary")]
     end = (layer + 1) * per_layer - 1
     if per_layer == 0 or end >= len(posts):
         raise SystemExit(f"cannot find the mHC posts of layer {layer} in the rewritten graph")
