@@ -69,6 +69,17 @@ from .mhc_common import (  # noqa: F401  (the family's configs, re-exported)
 from .mhc_projection import _proj_kernel, boundary_fused, mhc_pre, mhc_stats, stats_mixes  # noqa: F401
 
 # ----------------------------------------------------------------------------- post
+@triton.jit
+def _post_inputs(y_ptr, res_ptr, rr, stride_y, stride_r, cols, mask, D: tl.constexpr):
+    """The post's inputs at rows ``rr`` and columns ``cols``: y and the four residual streams, as fp32."""
+    rb = res_ptr + rr * stride_r + cols
+    return (tl.load(y_ptr + rr * stride_y + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32),
+            tl.load(rb, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32),
+            tl.load(rb + D, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32),
+            tl.load(rb + 2 * D, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32),
+            tl.load(rb + 3 * D, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32))
+
+
 @triton.jit(do_not_specialize=["M"])
 def _post_kernel(
     y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, M,
@@ -85,13 +96,7 @@ def _post_kernel(
     cols = cb * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = (rows < M)[:, None] & (cols < D)[None, :]
     rr = rows[:, None]
-    yv = tl.load(y_ptr + rr * stride_y + cols[None, :], mask=mask, other=0.0,
-                 eviction_policy="evict_first").to(tl.float32)
-    rbase = res_ptr + rr * stride_r + cols[None, :]
-    r0 = tl.load(rbase, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    r1 = tl.load(rbase + D, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    r2 = tl.load(rbase + 2 * D, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    r3 = tl.load(rbase + 3 * D, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    yv, r0, r1, r2, r3 = _post_inputs(y_ptr, res_ptr, rr, stride_y, stride_r, cols[None, :], mask, D)
     rm = rows < M
     cb = comb_ptr + rows * 16
     pb = post_ptr + rows * 4
@@ -228,12 +233,7 @@ def _post_collapse_kernel(
     c30, c31, c32, c33 = _row_coefs(comb_ptr + rows * 16 + 12, rmask)
     for j in range(D // BLOCK_D):
         cols = j * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]
-        yv = tl.load(y_ptr + rr * stride_y + cols, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        rb = res_ptr + rr * stride_r + cols
-        r0 = tl.load(rb, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        r1 = tl.load(rb + D, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        r2 = tl.load(rb + 2 * D, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        r3 = tl.load(rb + 3 * D, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        yv, r0, r1, r2, r3 = _post_inputs(y_ptr, res_ptr, rr, stride_y, stride_r, cols, m2, D)
         nb = new_ptr + rr * stride_n + cols
         h0b, h0 = _round_bf16(_combine(yv, r0, r1, r2, r3, q0, c00, c10, c20, c30), INTERP)
         h1b, h1 = _round_bf16(_combine(yv, r0, r1, r2, r3, q1, c01, c11, c21, c31), INTERP)
@@ -328,6 +328,7 @@ def mhc_boundary(y, res, post, comb, pre_prev, parts, scale, base, weight, iters
         new_res = mhc_post(y, res, post, comb, batch_invariant=batch_invariant)
         return (new_res, *mhc_pre(new_res, pre_prev, parts, scale, base, weight, iters, hc_eps, norm_eps, eps, **kw))
     split = check_split("mhc_boundary", proj, d)
-    new_res, x = post_collapse(y, res, post, comb, pre_prev, weight, eps, rows=int(cfg.get("post_rows", 4)),
-                               cols=int(cfg.get("post_cols", 1024)), warps=int(cfg.get("post_warps", 8)), split=split)
+    dflt = default_config("mhc_boundary")  # the launch shape a config without the post_* keys takes
+    new_res, x = post_collapse(y, res, post, comb, pre_prev, weight, eps, split=split,
+                               **{k[5:]: int(cfg.get(k, dflt[k])) for k in ("post_rows", "post_cols", "post_warps")})
     return (new_res, x, *mhc_stats(new_res, parts, scale, base, iters, hc_eps, norm_eps, **kw))

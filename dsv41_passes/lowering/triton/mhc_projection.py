@@ -511,9 +511,8 @@ def mhc_pre(h, pre_prev, parts, scale, base, weight, iters, hc_eps, norm_eps, ep
 
 def boundary_fused(y, res, post, comb, pre_prev, parts, scale, base, weight, iters, hc_eps, norm_eps, eps, *,
                    batch_invariant: bool, config: dict | None = None):
-    """``mhc_boundary``'s ``fused`` form: the projection kernel also computes the post."""
-    if y.stride(-1) != 1:
-        raise ValueError("Triton mhc_boundary: y must be contiguous along hidden")
+    """``mhc_boundary``'s ``fused`` form: the projection kernel also computes the post (``mhc.mhc_boundary``
+    checks the inputs)."""
     o = _launch_proj("mhc_boundary", res, parts, scale, base, iters, hc_eps, norm_eps,
                      batch_invariant=batch_invariant, config=config, y=y, post_in=post, comb_in=comb,
                      pre_prev=pre_prev, weight=weight, eps=eps)
