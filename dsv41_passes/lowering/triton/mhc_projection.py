@@ -76,27 +76,6 @@ def _dot3(a, parts_ptr, krows, acc_hi, acc_mid, acc_lo, K: tl.constexpr, INTERP:
 
 
 @triton.jit
-def _dot3_chain(a, parts_ptr, krows, acc_hi, acc_mid, acc_lo, K: tl.constexpr, INTERP: tl.constexpr):
-    """``_dot3`` with every part an MMA chain (``STREAM_CHAINS``: one chain per stream and part, 2 * chunks
-    k16 steps over a slice). No dot result is used inside the chunk, so Triton issues the chunk's 12 wgmma
-    groups asynchronously and waits once, for the previous chunk's, before their stages are reused."""
-    off = krows[:, None] * _NP + tl.arange(0, _NP)[None, :]
-    w_hi = tl.load(parts_ptr + off)
-    w_mid = tl.load(parts_ptr + K * _NP + off)
-    w_lo = tl.load(parts_ptr + 2 * K * _NP + off)
-    if INTERP:
-        w_hi, w_mid, w_lo = w_hi.to(tl.float32), w_mid.to(tl.float32), w_lo.to(tl.float32)
-        acc_hi = tl.dot(a, w_hi, acc_hi, input_precision="ieee")
-        acc_mid = tl.dot(a, w_mid, acc_mid, input_precision="ieee")
-        acc_lo = tl.dot(a, w_lo, acc_lo, input_precision="ieee")
-    else:
-        acc_hi = tl.dot(a, w_hi, acc_hi)
-        acc_mid = tl.dot(a, w_mid, acc_mid)
-        acc_lo = tl.dot(a, w_lo, acc_lo)
-    return acc_hi, acc_mid, acc_lo
-
-
-@triton.jit
 def _partial_group(ws_ptr, slot0, rr, rmask, c0, BM: tl.constexpr, FB: tl.constexpr, NPART: tl.constexpr,
                    NP2: tl.constexpr):
     """Sum over the NPART partials of mix columns ``[c0, c0 + 4)`` for the FB rows ``rr`` of a row block:
@@ -242,7 +221,7 @@ def _proj_kernel(
     D: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, XB: tl.constexpr,
     BOUNDARY: tl.constexpr, COLLAPSE: tl.constexpr, NORM: tl.constexpr, MIXES: tl.constexpr,
     FINISH: tl.constexpr, SPLIT: tl.constexpr, FB: tl.constexpr, NP2: tl.constexpr, PDL: tl.constexpr,
-    STREAM_CHAINS: tl.constexpr, INTERP: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     """One (row block, K slice, piece) per program; the last program of a row block to finish reduces it
     (FINISH; otherwise ``_finish_kernel``, launched next, does). SPLIT: each K slice is cut into SPLIT
@@ -251,8 +230,6 @@ def _proj_kernel(
 
     BOUNDARY: h is ``post(y, res, post_in, comb_in)``, computed here and written once to new_ptr.
     COLLAPSE: also ``x = bf16(sum_j pre_prev_j h_j)`` (NORM: then RMSNorm of x, finished in place).
-    STREAM_CHAINS (config ``chains="stream"``): twelve accumulators, one MMA chain per (stream, part)
-    (``_dot3_chain``), summed at the end; otherwise three (``_dot3``).
     """
     if PDL:  # the finish kernel (launched with PDL) may start now; it waits for this grid's writes
         _gdc_launch_dependents()
@@ -272,10 +249,6 @@ def _proj_kernel(
     acc_hi = tl.zeros((BM, _NP), tl.float32)
     acc_mid = tl.zeros((BM, _NP), tl.float32)
     acc_lo = tl.zeros((BM, _NP), tl.float32)
-    if STREAM_CHAINS:  # (stream, part) chains; acc_* above hold stream 0's
-        hi1, mid1, lo1 = acc_hi, acc_mid, acc_lo
-        hi2, mid2, lo2 = acc_hi, acc_mid, acc_lo
-        hi3, mid3, lo3 = acc_hi, acc_mid, acc_lo
     ssq = tl.zeros((BM, BK), tl.float32)
     xsq = tl.zeros((BM, BK), tl.float32)
     if COLLAPSE:  # the collapse weights, loaded once (inside the loop each load stalled its chunk)
@@ -309,17 +282,7 @@ def _proj_kernel(
                 hk = ak.to(tl.float32)
             if INTERP:
                 ak = hk
-            kr = k * D + cols
-            if not STREAM_CHAINS:
-                acc_hi, acc_mid, acc_lo = _dot3(ak, parts_ptr, kr, acc_hi, acc_mid, acc_lo, K, INTERP)
-            elif k == 0:
-                acc_hi, acc_mid, acc_lo = _dot3_chain(ak, parts_ptr, kr, acc_hi, acc_mid, acc_lo, K, INTERP)
-            elif k == 1:
-                hi1, mid1, lo1 = _dot3_chain(ak, parts_ptr, kr, hi1, mid1, lo1, K, INTERP)
-            elif k == 2:
-                hi2, mid2, lo2 = _dot3_chain(ak, parts_ptr, kr, hi2, mid2, lo2, K, INTERP)
-            else:
-                hi3, mid3, lo3 = _dot3_chain(ak, parts_ptr, kr, hi3, mid3, lo3, K, INTERP)
+            acc_hi, acc_mid, acc_lo = _dot3(ak, parts_ptr, k * D + cols, acc_hi, acc_mid, acc_lo, K, INTERP)
             ssq = tl.fma(hk, hk, ssq)
             if COLLAPSE:
                 if k == 0:
@@ -336,10 +299,6 @@ def _proj_kernel(
             xsq = tl.fma(xc, xc, xsq)
     # this slice's partials -> workspace slot pid ([BM, NMIX] mixes, [BM] sums of squares)
     n = tl.arange(0, _NP)
-    if STREAM_CHAINS:
-        acc_hi = (acc_hi + hi1) + (hi2 + hi3)
-        acc_mid = (acc_mid + mid1) + (mid2 + mid3)
-        acc_lo = (acc_lo + lo1) + (lo2 + lo3)
     tl.store(ws_ptr + (pid * BM + r[:, None]) * _NMIX + n[None, :], (acc_hi + acc_mid) + acc_lo,
              mask=n[None, :] < _NMIX)
     tl.store(ss_ptr + pid * BM + r, pairwise_row_sum(ssq, BM, BK))
@@ -477,9 +436,6 @@ def _launch_proj(
     if finish not in ("last", "kernel"):
         raise ValueError(f"Triton {op}: finish must be 'last' or 'kernel', got {finish!r}")
     finish_last = finish == "last"
-    chains = cfg.get("chains", "slice")
-    if chains not in ("slice", "stream"):
-        raise ValueError(f"Triton {op}: chains must be 'slice' or 'stream', got {chains!r}")
     count = torch.zeros(nblocks if finish_last else 0, dtype=torch.int32, device=dev)
     _, bk = slice_geometry(d)
     fb = int(cfg.get("finish_rows", stats_rows(bm, npart)))  # rows a stats program takes
@@ -502,11 +458,10 @@ def _launch_proj(
         x.stride(0) if collapse else 0,
         int(iters), float(hc_eps), float(norm_eps), float(eps),
         D=d, BK=bk, BM=bm, XB=_norm_block(d, bm), BOUNDARY=boundary, COLLAPSE=collapse, NORM=norm, MIXES=mixes,
-        FINISH=finish_last, SPLIT=split, FB=fb, NP2=triton.next_power_of_2(npart), PDL=pdl,
-        STREAM_CHAINS=chains == "stream", INTERP=INTERPRET,
+        FINISH=finish_last, SPLIT=split, FB=fb, NP2=triton.next_power_of_2(npart), PDL=pdl, INTERP=INTERPRET,
         num_warps=cfg["num_warps"],
         num_stages=cfg.get("num_stages", 3),
-        **LAUNCH_OPTIONS, **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),
+        **LAUNCH_OPTIONS,
     )
     if finish == "kernel":
         # norm layout: (row block, column part) programs when few row blocks (decode: one column block a
