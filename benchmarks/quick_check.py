@@ -96,6 +96,9 @@ def kv(m: int) -> None:
     tile = {"KV_TILE_DEFAULT": rk.KV_TILE_DEFAULT, "KV_SMALL_M": rk.KV_SMALL_M, "KV_LARGE_M": rk.KV_LARGE_M}
     blocks = {f"blocks BLOCK_T={t},num_warps={nw}": dict(BLOCK_T=t, num_warps=nw, blocks=True)
               for t, nw in ((2, 1), (1, 1), (4, 2), (4, 4), (8, 4), (8, 8), (16, 8))}
+    # programmatic dependent launch: each call's grid launches while the previous call runs
+    blocks["blocks BLOCK_T=2,num_warps=1 pdl"] = dict(BLOCK_T=2, num_warps=1, blocks=True, pdl=True)
+    blocks["blocks BLOCK_T=4,num_warps=2 pdl"] = dict(BLOCK_T=4, num_warps=2, blocks=True, pdl=True)
     for name, cfg in {**blocks, **tile}.items():
         out = run(cfg)
         t = time_ms(lambda cfg=cfg: run(cfg))

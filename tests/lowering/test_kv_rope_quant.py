@@ -3,6 +3,8 @@ their options compute the reference bits (interpreter on CPU; hardware conversio
 launcher's config choice, and the sm_90 builds (compiled without a GPU).
 """
 
+from collections import Counter
+
 import pytest
 import torch
 import triton
@@ -97,7 +99,7 @@ def test_kv_kernel_builds_for_sm90_with_hardware_conversions():
     builds = [dict(module="dsv41_passes.lowering.triton.kv_rope_quant", kernel="_kv_rope_quant_kernel", types=types,
                    aligned=["stride_km", "stride_om", "stride_cm", "stride_sm", "stride_cache"],
                    constexprs=dict(D=512, PAIR0=224, BLOCK=32, NB=16, BLOCK_T=1, STORE=True, PAIRED=False, HW=hw,
-                                   TREE=False, TAIL=False, HALVINGS=0),
+                                   TREE=False, TAIL=False, HALVINGS=0, PDL=False),
                    options=dict(num_warps=2, enable_fp_fusion=False)) for hw in (True, False)]
     builds.append(dict(builds[0], constexprs=dict(builds[0]["constexprs"], BLOCK_T=4)))
     builds.append(dict(builds[0], types=dict(types, cos_ptr="*i64", sin_ptr="*i64"),
@@ -238,7 +240,8 @@ def test_kv_tail_builds_for_sm90_with_fewer_instructions():
                 types=dict(types, w_ptr="*i64") if tail else types,
                 aligned=["stride_km", "stride_om", "stride_cm", "stride_sm", "stride_cache"],
                 constexprs=dict(D=512, PAIR0=224, BLOCK=32, NB=16, BLOCK_T=bt, STORE=True, PAIRED=True, HW=True,
-                                TREE=tree, TAIL=tail, HALVINGS=tk.kv_tail_halvings(512, 64, 32, bt, 4) if tail else 0),
+                                TREE=tree, TAIL=tail, PDL=False,
+                                HALVINGS=tk.kv_tail_halvings(512, 64, 32, bt, 4) if tail else 0),
                 options=dict(num_warps=4, enable_fp_fusion=False)))
     built = build_sm90(builds)
     for i in range(0, len(built), 2):
@@ -310,6 +313,54 @@ def test_kv_blocks_rows_do_not_depend_on_the_batch():
             assert torch.equal(_bits(part), _bits(out[lo:hi])), (mode, lo, hi)
 
 
+def test_kv_blocks_pdl_build_only_adds_the_grid_dependency_control():
+    """KV_DEFAULT's ``pdl`` (compiled for sm_90 without a GPU): the kernel first lets the next grid launch,
+    then waits for the previous grid, before any global access; the other PTX instructions are the
+    non-PDL build's, opcode for opcode (the same arithmetic, so the same bits)."""
+    from sm90 import build_sm90, instructions
+
+    types = dict(kv_ptr="*i32", w_ptr="*i64", cos_ptr="*i64", sin_ptr="*i64", slot_ptr="*i64", out_ptr="*i32",
+                 cache_ptr="*i32", eps="fp32")
+    consts = dict(D=512, PAIR0=224, BLOCK=32, NB=16, STORE=True, PAIRED=True, HW=True, BLOCK_T=2)
+    build = dict(module="dsv41_passes.lowering.triton.kv_rope_quant", kernel="_kv_rope_quant_blocks_kernel",
+                 types=types, aligned=["stride_km", "stride_om", "stride_cm", "stride_sm", "stride_cache"],
+                 options=dict(num_warps=1, enable_fp_fusion=False))
+    on, off = (instructions(b["ptx"]) for b in build_sm90([dict(build, constexprs=dict(consts, PDL=p))
+                                                          for p in (True, False)]))
+    gdc = [i for i, ins in enumerate(on) if ins.startswith("griddepcontrol.")]
+    assert [on[i].rstrip("; ") for i in gdc] == ["griddepcontrol.launch_dependents", "griddepcontrol.wait"], gdc
+    first_global = min(i for i, ins in enumerate(on) if ins.startswith(("ld.global", "st.global")))
+    assert gdc[1] < first_global
+    assert not any(ins.startswith("griddepcontrol.") for ins in off)
+    assert Counter(ins.split()[0] for i, ins in enumerate(on) if i not in gdc) == Counter(ins.split()[0] for ins in off)
+
+
+@pytest.mark.gpu
+def test_gpu_kv_pdl_waits_for_the_kernel_before_it():
+    """KV_DEFAULT launches with PDL: each call's input is written by the kernel just before it (a copy, or
+    the previous call's output), and every result equals the non-PDL launch's, cache included."""
+    if not tk.pdl_available(torch.device("cuda")):
+        pytest.skip("PDL needs a Hopper or newer GPU and Triton's grid-dependency control")
+    d, rd, block, m = 512, 64, 32, 4096
+    cache, kv, weight, cos, sin, slots = (t.cuda() for t in _kv_case(m, d, rd, 2 * m + 1, seed=5))
+    srcs = [kv * (1 + i / 8) for i in range(6)]
+    results = {}
+    for pdl in (True, False):
+        cfg = dict(tk.KV_DEFAULT, pdl=pdl)
+        c, buf, outs = cache.clone(), torch.empty_like(kv), []
+        for src in srcs:
+            buf.copy_(src)  # written by the kernel right before the KV kernel
+            out = tk.kv_rope_quant(buf, weight, 1e-6, cos, sin, block, c, slots, batch_invariant=True, config=cfg)
+            out = tk.kv_rope_quant(out, weight, 1e-6, cos, sin, block, c, slots.flip(0), batch_invariant=True,
+                                   config=cfg)  # reads the previous KV call's output
+            outs.append(out.clone())
+        torch.cuda.synchronize()
+        results[pdl] = (outs, c)
+    for a, b in zip(results[True][0], results[False][0]):
+        assert torch.equal(_bits(a), _bits(b))
+    assert torch.equal(_bits(results[True][1]), _bits(results[False][1]))
+
+
 def test_kv_blocks_builds_for_sm90_without_shared_memory():
     """The blocks kernel as launched (two tokens on one warp, int64 weight pairs, interleaved tables,
     hardware conversions), compiled for sm_90 without a GPU: no shared memory (a block's amax and a
@@ -320,7 +371,7 @@ def test_kv_blocks_builds_for_sm90_without_shared_memory():
 
     types = dict(kv_ptr="*i32", w_ptr="*i64", cos_ptr="*i64", sin_ptr="*i64", slot_ptr="*i64", out_ptr="*i32",
                  cache_ptr="*i32", eps="fp32")
-    consts = dict(D=512, PAIR0=224, BLOCK=32, NB=16, STORE=True, PAIRED=True, HW=True)
+    consts = dict(D=512, PAIR0=224, BLOCK=32, NB=16, STORE=True, PAIRED=True, HW=True, PDL=False)
     common = dict(module="dsv41_passes.lowering.triton.kv_rope_quant", types=types,
                   aligned=["stride_km", "stride_om", "stride_cm", "stride_sm", "stride_cache"])
     blocks, tile = build_sm90([

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import triton
@@ -10,6 +11,28 @@ import triton.language as tl
 # The CPU interpreter truncates fp32 -> bf16 stores; kernels round explicitly there so
 # interpreted results carry the same round-to-nearest-even bits the GPU produces.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+try:  # programmatic dependent launch (Hopper): Triton's grid-dependency control, where this Triton has it
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton
+    gdc_wait = gdc_launch_dependents = None
+# A kernel launched with ``launch_pdl=True`` must call ``gdc_wait()`` before it touches global memory.
+PDL_SUPPORTED = gdc_wait is not None and not INTERPRET
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    import torch
+
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl_available(device) -> bool:
+    """Whether a kernel on ``device`` can be launched with PDL: this Triton has grid-dependency control
+    and the device is a Hopper or newer GPU (``griddepcontrol`` is sm_90+)."""
+    if not PDL_SUPPORTED or device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else 0) >= (9, 0)
 
 
 @triton.jit

@@ -25,6 +25,10 @@ config, never on M or on the other rows. ``KV_DEFAULT`` is one config for every 
 mode or not, so on V4.1 shapes the untuned bits do not change with M either. On the GPU the sum's
 order differs from torch's, so rstd can differ in its last place: 24-30 of the 33.5 M output elements
 at M = 65536 differ from the reference provider's by one FP8 step (run 67).
+
+Both kernels take the ``pdl`` config option (on in ``KV_DEFAULT``): launched by programmatic dependent
+launch where the GPU and Triton support it, the kernel lets the next grid launch, then waits for the
+previous grid's writes before its first global access (``_pdl_prologue``; the same arithmetic).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import triton.language as tl
 
 from ...tuning import tactic
 from ..rope_tables import interleaved_view
-from .common import INTERPRET, pairwise_row_sum
+from .common import INTERPRET, gdc_launch_dependents, gdc_wait, pairwise_row_sum, pdl_available
 from .rope_store import (
     _fp8_qdq_pairs,
     _pack_bf16x2,
@@ -54,8 +58,11 @@ from .rope_store import (
 # The blocks kernel, two tokens on one warp: every M, batch-invariant mode included (run 71, the
 # benchmark's cache: 4.12 / 15.03 / 57.18 us at M = 4096 / 16384 / 65536; the tile kernel's best
 # untuned config 4.06 / 15.82 / 57.75; one token a warp is no faster and gives other bits. At M = 1 it
-# costs 0.1-0.2 us: 1.64 vs 1.44 for KV_SMALL_M).
-KV_DEFAULT = dict(BLOCK_T=2, num_warps=1, blocks=True)
+# costs 0.1-0.2 us: 1.64 vs 1.44 for KV_SMALL_M). ``pdl``: launched by programmatic dependent launch
+# (Hopper and newer; ignored elsewhere), so its grid launches while the kernel before it still runs; the
+# same bits. Run 85, back-to-back calls in a CUDA graph (us, with / without): 56.28 / 56.94 at M = 65536,
+# 14.36 / 14.66 at 16384, 3.89 / 4.07 at 4096, 1.24 / 1.75 at 128, 1.15 / 1.63 at 1.
+KV_DEFAULT = dict(BLOCK_T=2, num_warps=1, blocks=True, pdl=True)
 # The tile kernel's configs, for shapes the blocks kernel does not take. Four tokens a program on
 # 4 warps with the tail option (0.063 ms at M = 65536 vs 0.105 for one token with 2 warps,
 # run13/14-quick_check; with tail 4.1 vs 5.2 us at M = 4096, run28-quick_check-kv.log) ...
@@ -92,7 +99,8 @@ def kv_untuned_config(m: int, d: int, rd: int, block: int) -> dict:
 
 _TILE_CANDIDATES = ([dict(BLOCK_T=t, num_warps=w) for t in (1, 2, 4, 8) for w in (1, 2, 4, 8)]
                     + [dict(BLOCK_T=t, num_warps=w, tail=True) for t in (1, 2, 4, 8) for w in (2, 4)])
-_BLOCKS_CANDIDATES = [dict(BLOCK_T=t, num_warps=w, blocks=True) for t, w in ((1, 1), (2, 1), (4, 1), (4, 2), (8, 4))]
+_BLOCKS_CANDIDATES = [dict(BLOCK_T=t, num_warps=w, blocks=True, pdl=p)
+                      for t, w in ((1, 1), (2, 1), (4, 1), (4, 2), (8, 4)) for p in (True, False)]
 # Launch configs worth timing per op (the tuner's search space; a blocks config that does not fit a
 # shape raises, and the tuner skips it).
 CANDIDATES: dict[str, list[dict]] = {
@@ -103,6 +111,15 @@ CANDIDATES: dict[str, list[dict]] = {
 
 def kv_shape_key(kv: torch.Tensor, cos: torch.Tensor, block: int) -> dict:
     return dict(d=kv.shape[1], rd=2 * cos.shape[1], block=block)
+
+
+@triton.jit
+def _pdl_prologue(PDL: tl.constexpr):
+    """PDL (config ``pdl``; the launch passes ``launch_pdl=True``): let the next kernel's grid launch now,
+    then wait until the previous kernel's writes are complete and visible, before any global access."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 @triton.jit
@@ -166,7 +183,7 @@ def _kv_rope_quant_kernel(
     stride_km, stride_om, stride_cm, stride_cp, stride_sm, stride_sp, stride_slot, stride_cache,
     D: tl.constexpr, PAIR0: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
     BLOCK_T: tl.constexpr, STORE: tl.constexpr, PAIRED: tl.constexpr, HW: tl.constexpr, TREE: tl.constexpr,
-    TAIL: tl.constexpr, HALVINGS: tl.constexpr,
+    TAIL: tl.constexpr, HALVINGS: tl.constexpr, PDL: tl.constexpr,
 ):
     # tile [BLOCK_T tokens, NB quant blocks, BLOCK/2 words]; kv/out/cache pointers and strides in words.
     # PAIRED: cos_ptr points at int64 words holding (cos, sin) of a pair (the interleaved table of
@@ -182,6 +199,7 @@ def _kv_rope_quant_kernel(
     NR: tl.constexpr = NB >> HALVINGS  # quant blocks the RoPE runs on (TAIL), the last ones
     R0: tl.constexpr = (NB - NR) * HB  # their first word
     tl.static_assert(NR >= 1 and R0 <= PAIR0, "HALVINGS must leave every rotated word in the last piece")
+    _pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = t < M
     col = tl.arange(0, NB)[:, None] * HB + tl.arange(0, HB)[None, :]  # word = pair index
@@ -270,7 +288,7 @@ def _kv_rope_quant_blocks_kernel(
     kv_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, cache_ptr, M, S, eps,
     stride_km, stride_om, stride_cm, stride_cp, stride_sm, stride_sp, stride_slot, stride_cache,
     D: tl.constexpr, PAIR0: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
-    BLOCK_T: tl.constexpr, STORE: tl.constexpr, PAIRED: tl.constexpr, HW: tl.constexpr,
+    BLOCK_T: tl.constexpr, STORE: tl.constexpr, PAIRED: tl.constexpr, HW: tl.constexpr, PDL: tl.constexpr,
 ):
     # The blocks config (see the module docstring). Unrotated blocks: norm, bf16, FP8 round trip and
     # the stores on the main tile, where a thread holds whole blocks; rotated blocks: the same plus the
@@ -279,6 +297,7 @@ def _kv_rope_quant_blocks_kernel(
     HB: tl.constexpr = BLOCK // 2      # words a quant block
     Q: tl.constexpr = HB // 4          # 16-byte vectors a block
     RW: tl.constexpr = D // 2 - PAIR0  # rotated words
+    _pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = t < M
     # main tile [Q, BLOCK_T, NB, 4]: word nb * HB + q * 4 + v; a thread holds whole quant blocks
@@ -395,9 +414,10 @@ def kv_rope_quant(
     args = (kw, weight, cos, sin, slots, ow, cw, m, cache.shape[0] if store else 0, float(eps),
             kw.stride(0), ow.stride(0), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
             slots.stride(0), cw.stride(0))
+    pdl = bool(cfg.get("pdl", False)) and pdl_available(kv.device)
     common = dict(D=d, PAIR0=(d - rd) // 2, BLOCK=block, NB=nb, BLOCK_T=block_t, STORE=store,
-                  PAIRED=pairs is not None, HW=cfg.get("HW", not INTERPRET), num_warps=cfg["num_warps"],
-                  enable_fp_fusion=False)
+                  PAIRED=pairs is not None, HW=cfg.get("HW", not INTERPRET), PDL=pdl, num_warps=cfg["num_warps"],
+                  enable_fp_fusion=False, **({"launch_pdl": True} if pdl else {}))
     grid = (triton.cdiv(m, block_t),)
     if blocks:
         _kv_rope_quant_blocks_kernel[grid](*args, **common)

@@ -12,7 +12,9 @@ import triton.language as tl
 from ...tuning import tactic
 from ..mhc_weights import NUM_SLICES, slice_geometry
 from ..mhc_weights import NP_DEFAULT as NP
-from .common import INTERPRET, pairwise_row_sum
+from .common import INTERPRET, PDL_SUPPORTED, pairwise_row_sum
+from .common import gdc_launch_dependents as _gdc_launch_dependents
+from .common import gdc_wait as _gdc_wait
 from .mhc_common import (
     _NMIX,
     _NP,
@@ -32,12 +34,6 @@ from .mhc_common import (
 # ----------------------------------------------------------------------------- stats / pre / boundary
 # inline PTX only where a GPU compiles the kernel (tests may run the GPU code path in the interpreter)
 _PTX = tl.constexpr(not INTERPRET)
-try:  # programmatic dependent launch (Hopper): Triton's grid-dependency control, where this Triton has it
-    from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
-    from triton.language.extra.cuda import gdc_wait as _gdc_wait
-except ImportError:  # pragma: no cover - older Triton
-    _gdc_wait = _gdc_launch_dependents = None
-PDL_SUPPORTED = _gdc_wait is not None and not INTERPRET
 
 
 @triton.jit
