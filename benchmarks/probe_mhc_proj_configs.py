@@ -1,9 +1,8 @@
 """Launch configs of the Triton mHC projection ops (``mhc_stats``, ``mhc_pre``) at V4.1-Flash shapes: every
 tuner candidate with the default's finish, outputs compared bitwise with the default's (every candidate keeps
 one wgmma shape, so the bits should not move), timed as CUDA-graph replays with each kernel's device time.
-``--a-regs``: a few shapes with and without ``a_regs`` (the dots' A operand from registers) instead.
 
-    source .devsite/setup.sh && python3 benchmarks/probe_mhc_proj_configs.py [--a-regs] [M ...]
+    source .devsite/setup.sh && python3 benchmarks/probe_mhc_proj_configs.py [M ...]
 """
 
 from __future__ import annotations
@@ -20,22 +19,11 @@ from benchmarks.common import compare_and_time, print_markdown  # noqa: E402
 ITERS, EPS, D = 20, 1e-6, 5120
 
 
-A_REGS = "--a-regs" in sys.argv
-# with --a-regs: these (rows, warps, stages), each without and with ``a_regs``
-A_REGS_SHAPES = ((64, 4, 3), (64, 4, 2), (64, 4, 4), (128, 8, 2), (128, 8, 3))
-
-
 def variants(op: str, m: int) -> dict[str, dict]:
     from dsv41_passes.lowering.triton.mhc_common import CANDIDATES, untuned_config
 
     base = untuned_config(op, m, D, False)
     out = {"default": base}
-    if A_REGS:
-        for bm, w, st in A_REGS_SHAPES:
-            for regs in (False, True):
-                cfg = dict(base, BLOCK_M=bm, num_warps=w, num_stages=st, a_regs=regs)
-                out[f"{bm}x{w} st{st}{' a_regs' if regs else ''}"] = cfg
-        return out
     for c in CANDIDATES[op]:
         cfg = dict(base, **c)
         name = f"{cfg['BLOCK_M']}x{cfg['num_warps']} st{cfg['num_stages']} {cfg.get('finish', 'last')}"
@@ -52,7 +40,7 @@ def main() -> None:
     from dsv41_passes.lowering.triton import mhc as tk
 
     print(torch.cuda.get_device_name(), torch.__version__, "triton", triton.__version__, flush=True)
-    sizes = [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [65536, 16384, 4096]
+    sizes = [int(a) for a in sys.argv[1:]] or [65536, 16384, 4096]
     rows = []
     for m in sizes:
         t = mhc_inputs(m)

@@ -335,6 +335,27 @@ def test_kv_blocks_pdl_build_only_adds_the_grid_dependency_control():
     assert Counter(ins.split()[0] for i, ins in enumerate(on) if i not in gdc) == Counter(ins.split()[0] for ins in off)
 
 
+def test_pdl_needs_hopper_and_can_be_switched_off(monkeypatch):
+    """PDL launches only on sm_90+ with grid-dependency control, and never with ``DSV41_PDL=off``."""
+    from dsv41_passes.lowering.triton import common
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setattr(common, "PDL_SUPPORTED", True)
+    monkeypatch.setattr(common, "_capability", lambda index: (9, 0))
+    monkeypatch.delenv("DSV41_PDL", raising=False)
+    assert common.pdl_available(cuda) and not common.pdl_available(cpu)
+    for off in ("off", "0", "False", "no"):
+        monkeypatch.setenv("DSV41_PDL", off)
+        assert not common.pdl_available(cuda), off
+    monkeypatch.setenv("DSV41_PDL", "on")
+    assert common.pdl_available(cuda)
+    monkeypatch.setattr(common, "_capability", lambda index: (8, 0))  # Ampere: no griddepcontrol
+    assert not common.pdl_available(cuda)
+    monkeypatch.setattr(common, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(common, "PDL_SUPPORTED", False)  # a Triton without it, or the interpreter
+    assert not common.pdl_available(cuda)
+
+
 @pytest.mark.gpu
 def test_gpu_kv_pdl_waits_for_the_kernel_before_it():
     """KV_DEFAULT launches with PDL: each call's input is written by the kernel just before it (a copy, or

@@ -28,9 +28,12 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def pdl_available(device) -> bool:
-    """Whether a kernel on ``device`` can be launched with PDL: this Triton has grid-dependency control
-    and the device is a Hopper or newer GPU (``griddepcontrol`` is sm_90+)."""
+    """Whether a kernel on ``device`` is launched with PDL where its config asks for it: this Triton has
+    grid-dependency control, the device is a Hopper or newer GPU (``griddepcontrol`` is sm_90+), and
+    ``DSV41_PDL`` is not ``off`` (``0``, ``false``, ``no``; read at every launch)."""
     if not PDL_SUPPORTED or device.type != "cuda":
+        return False
+    if os.environ.get("DSV41_PDL", "on").lower() in ("off", "0", "false", "no"):
         return False
     return _capability(device.index if device.index is not None else 0) >= (9, 0)
 

@@ -48,16 +48,6 @@ def _add_rn(x, y):
 
 
 @triton.jit
-def _opaque_bf16(x):
-    """``x`` (bf16) through an identity Triton cannot see through (ptxas drops the moves): a dot operand
-    made in registers, so the wgmma takes A from registers instead of re-reading its shared tile."""
-    if _PTX:
-        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.bfloat16, is_pure=True, pack=2)
-    else:
-        return x
-
-
-@triton.jit
 def _dot3(a, parts_ptr, krows, acc_hi, acc_mid, acc_lo, K: tl.constexpr, INTERP: tl.constexpr):
     """acc_p += a @ part_p[krows, :] for the hi, mid and lo bf16 parts ([3, K, NP])."""
     off = krows[:, None] * _NP + tl.arange(0, _NP)[None, :]
@@ -227,7 +217,7 @@ def _proj_kernel(
     D: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, XB: tl.constexpr,
     BOUNDARY: tl.constexpr, COLLAPSE: tl.constexpr, NORM: tl.constexpr, MIXES: tl.constexpr,
     FINISH: tl.constexpr, SPLIT: tl.constexpr, FB: tl.constexpr, NP2: tl.constexpr, PDL: tl.constexpr,
-    A_REGS: tl.constexpr, INTERP: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     """One (row block, K slice, piece) per program; the last program of a row block to finish reduces it
     (FINISH; otherwise ``_finish_kernel``, launched next, does). SPLIT: each K slice is cut into SPLIT
@@ -236,8 +226,6 @@ def _proj_kernel(
 
     BOUNDARY: h is ``post(y, res, post_in, comb_in)``, computed here and written once to new_ptr.
     COLLAPSE: also ``x = bf16(sum_j pre_prev_j h_j)`` (NORM: then RMSNorm of x, finished in place).
-    A_REGS (config ``a_regs``): the residual tile is the dots' A operand from registers (``_opaque_bf16``),
-    loaded from shared memory once; otherwise each of its three wgmma re-reads its shared tile.
     """
     if PDL:  # the finish kernel (launched with PDL) may start now; it waits for this grid's writes
         _gdc_launch_dependents()
@@ -288,8 +276,6 @@ def _proj_kernel(
             else:
                 ak = tl.load(hb + k * D, mask=m2, other=0.0)
                 hk = ak.to(tl.float32)
-                if A_REGS:
-                    ak = _opaque_bf16(ak)
             if INTERP:
                 ak = hk
             acc_hi, acc_mid, acc_lo = _dot3(ak, parts_ptr, k * D + cols, acc_hi, acc_mid, acc_lo, K, INTERP)
@@ -468,8 +454,7 @@ def _launch_proj(
         x.stride(0) if collapse else 0,
         int(iters), float(hc_eps), float(norm_eps), float(eps),
         D=d, BK=bk, BM=bm, XB=_norm_block(d, bm), BOUNDARY=boundary, COLLAPSE=collapse, NORM=norm, MIXES=mixes,
-        FINISH=finish_last, SPLIT=split, FB=fb, NP2=triton.next_power_of_2(npart), PDL=pdl,
-        A_REGS=bool(cfg.get("a_regs", False)), INTERP=INTERPRET,
+        FINISH=finish_last, SPLIT=split, FB=fb, NP2=triton.next_power_of_2(npart), PDL=pdl, INTERP=INTERPRET,
         num_warps=cfg["num_warps"],
         num_stages=cfg.get("num_stages", 3),
         **LAUNCH_OPTIONS,
