@@ -91,8 +91,8 @@ def kv(m: int) -> None:
     src = torch.empty(m, 3 * d // 2 + rd + 2, dtype=torch.int16, device="cuda")
     dst = torch.empty_like(src)
     row("kv", f"M={m} device copy of the same bytes", "", time_ms(lambda: dst.copy_(src)))
-    # the tile kernel's untuned configs, then the blocks kernel's (KV_DEFAULT first): bits compared with
-    # KV_DEFAULT's, and each output's element mismatches against the reference provider's
+    # the blocks kernel's configs (the first is KV_DEFAULT without PDL), then the tile kernel's untuned ones:
+    # bits compared with KV_DEFAULT's, and each output's element mismatches against the reference provider's
     tile = {"KV_TILE_DEFAULT": rk.KV_TILE_DEFAULT, "KV_SMALL_M": rk.KV_SMALL_M, "KV_LARGE_M": rk.KV_LARGE_M}
     blocks = {f"blocks BLOCK_T={t},num_warps={nw}": dict(BLOCK_T=t, num_warps=nw, blocks=True)
               for t, nw in ((2, 1), (1, 1), (4, 2), (4, 4), (8, 4), (8, 8), (16, 8))}
