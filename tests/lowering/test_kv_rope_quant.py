@@ -313,20 +313,29 @@ def test_kv_blocks_rows_do_not_depend_on_the_batch():
             assert torch.equal(_bits(part), _bits(out[lo:hi])), (mode, lo, hi)
 
 
+# the KV kernels' sm_90 builds as the launcher passes them (D 512 / rd 64 / block 32: int64 weight pairs,
+# interleaved tables, hardware conversions)
+_AS_LAUNCHED = dict(module="dsv41_passes.lowering.triton.kv_rope_quant",
+                    types=dict(kv_ptr="*i32", w_ptr="*i64", cos_ptr="*i64", sin_ptr="*i64", slot_ptr="*i64",
+                               out_ptr="*i32", cache_ptr="*i32", eps="fp32"),
+                    aligned=["stride_km", "stride_om", "stride_cm", "stride_sm", "stride_cache"])
+_AS_LAUNCHED_CONSTS = dict(D=512, PAIR0=224, BLOCK=32, NB=16, STORE=True, PAIRED=True, HW=True)
+
+
+def _blocks_build(pdl: bool) -> dict:
+    """KV_DEFAULT's blocks kernel (two tokens on one warp), with or without PDL."""
+    return dict(_AS_LAUNCHED, kernel="_kv_rope_quant_blocks_kernel",
+                constexprs=dict(_AS_LAUNCHED_CONSTS, BLOCK_T=2, PDL=pdl),
+                options=dict(num_warps=1, enable_fp_fusion=False))
+
+
 def test_kv_blocks_pdl_build_only_adds_the_grid_dependency_control():
     """KV_DEFAULT's ``pdl`` (compiled for sm_90 without a GPU): the kernel first lets the next grid launch,
     then waits for the previous grid, before any global access; the other PTX instructions are the
     non-PDL build's, opcode for opcode (the same arithmetic, so the same bits)."""
     from sm90 import build_sm90, instructions
 
-    types = dict(kv_ptr="*i32", w_ptr="*i64", cos_ptr="*i64", sin_ptr="*i64", slot_ptr="*i64", out_ptr="*i32",
-                 cache_ptr="*i32", eps="fp32")
-    consts = dict(D=512, PAIR0=224, BLOCK=32, NB=16, STORE=True, PAIRED=True, HW=True, BLOCK_T=2)
-    build = dict(module="dsv41_passes.lowering.triton.kv_rope_quant", kernel="_kv_rope_quant_blocks_kernel",
-                 types=types, aligned=["stride_km", "stride_om", "stride_cm", "stride_sm", "stride_cache"],
-                 options=dict(num_warps=1, enable_fp_fusion=False))
-    on, off = (instructions(b["ptx"]) for b in build_sm90([dict(build, constexprs=dict(consts, PDL=p))
-                                                          for p in (True, False)]))
+    on, off = (instructions(b["ptx"]) for b in build_sm90([_blocks_build(pdl) for pdl in (True, False)]))
     gdc = [i for i, ins in enumerate(on) if ins.startswith("griddepcontrol.")]
     assert [on[i].rstrip("; ") for i in gdc] == ["griddepcontrol.launch_dependents", "griddepcontrol.wait"], gdc
     first_global = min(i for i, ins in enumerate(on) if ins.startswith(("ld.global", "st.global")))
@@ -390,16 +399,11 @@ def test_kv_blocks_builds_for_sm90_without_shared_memory():
     than the tile kernel's default config."""
     from sm90 import build_sm90, instructions
 
-    types = dict(kv_ptr="*i32", w_ptr="*i64", cos_ptr="*i64", sin_ptr="*i64", slot_ptr="*i64", out_ptr="*i32",
-                 cache_ptr="*i32", eps="fp32")
-    consts = dict(D=512, PAIR0=224, BLOCK=32, NB=16, STORE=True, PAIRED=True, HW=True, PDL=False)
-    common = dict(module="dsv41_passes.lowering.triton.kv_rope_quant", types=types,
-                  aligned=["stride_km", "stride_om", "stride_cm", "stride_sm", "stride_cache"])
     blocks, tile = build_sm90([
-        dict(common, kernel="_kv_rope_quant_blocks_kernel", constexprs=dict(consts, BLOCK_T=2),
-             options=dict(num_warps=1, enable_fp_fusion=False)),
-        dict(common, kernel="_kv_rope_quant_kernel",
-             constexprs=dict(consts, BLOCK_T=4, TREE=False, TAIL=True, HALVINGS=tk.kv_tail_halvings(512, 64, 32, 4, 4)),
+        _blocks_build(False),
+        dict(_AS_LAUNCHED, kernel="_kv_rope_quant_kernel",
+             constexprs=dict(_AS_LAUNCHED_CONSTS, PDL=False, BLOCK_T=4, TREE=False, TAIL=True,
+                             HALVINGS=tk.kv_tail_halvings(512, 64, 32, 4, 4)),
              options=dict(num_warps=4, enable_fp_fusion=False)),
     ])
     assert blocks["shared"] == 0 and tile["shared"] > 0

@@ -261,6 +261,8 @@ def _post_collapse_kernel(
         sumsq = tl.zeros((BLOCK_R,), tl.float32)
         for i in tl.static_range(NPC):
             sumsq += tl.sum(tl.where(idx == i, part, 0.0), axis=1)
+        # ``_normalize_rows``'s arithmetic on phase 1's tile layout (the helper, on ``rows``, adds a layout
+        # change through shared memory and two barriers to this kernel's sm_90 build)
         rstd = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(sumsq, D * 1.0) + eps))[:, None]
         for j in range(D // BLOCK_D):
             cols = j * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]
