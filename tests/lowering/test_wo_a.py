@@ -181,6 +181,65 @@ def test_triton_planar_cos_sin():
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("m, h, d, rd, bk, planar", [(9, 4, 64, 16, 16, False), (5, 2, 128, 16, 64, True),
+                                                   (1, 16, 512, 64, 64, False), (0, 4, 64, 16, 16, False)])
+def test_rope_tails_is_the_reference_rounding(m, h, d, rd, bk, planar):
+    """The specialized TileLang kernel's rope chunks: each head's last ``bk`` columns of o, the last ``rd``
+    de-rotated, bit for bit the reference's (fp32, one bf16 rounding), the other columns copied."""
+    from dsv41_passes.lowering.triton.wo_a import rope_tails
+    from dsv41_passes.reference.rope import apply_rotary_real
+
+    o, _, _, cos, sin = make(m, h, d, 2, 32, rd, seed=3, device=DEVICE)
+    if planar:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    tails = rope_tails(o, cos, sin, rd, bk)
+    ref = o[..., d - bk:].clone()
+    ref[..., bk - rd:] = apply_rotary_real(o[..., d - rd:], cos, sin, inverse=True)
+    assert tails.shape == (m, h, bk) and torch.equal(tails.view(torch.int16), ref.view(torch.int16))
+
+
+def test_rope_tails_rejects_what_it_cannot_tile():
+    from dsv41_passes.lowering.triton.wo_a import rope_tails
+
+    o, _, _, cos, sin = make(3, 4, 64, 2, 32, 16, device=DEVICE, head_pad=1)
+    with pytest.raises(ValueError, match="contiguous False"):
+        rope_tails(o, cos, sin, 16, 16)
+    with pytest.raises(ValueError, match="do not tile"):
+        rope_tails(o.contiguous(), cos, sin, 16, 8)  # fewer columns than rope dims
+
+
+def test_rope_tails_compiles_for_sm90():
+    """The GPU build: o and the tails moved as 16-byte vectors of bf16 pairs, cos/sin read once a token,
+    the PDL wait before any global access, no FMA contraction in the de-rotation."""
+    from sm90 import build_sm90, instructions
+
+    (b,) = build_sm90([dict(
+        module="dsv41_passes.lowering.triton.wo_a", kernel="_rope_tails_kernel",
+        types={"o_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "t_ptr": "*i32"},
+        aligned=["stride_ow", "stride_cm", "stride_sm"],
+        constexprs=dict(H=16, D=512, RD=64, BK=64, BT=8, INTERP=False, PDL=True),  # TP4 per rank
+        options=dict(num_warps=4, enable_fp_fusion=False))])
+    ins = instructions(b["ptx"])
+    ops = [i.split()[1] if i.startswith("@") else i.split()[0] for i in ins]  # predicates dropped
+    assert ops.count("ld.global.v4.b32") == 8 and ops.count("st.global.v4.b32") == 8, sorted(set(ops))
+    assert ops.count("ld.global.b32") == 4  # [8 tokens, 32 pairs] of cos and of sin over 128 threads
+    first_global = min(i for i, op in enumerate(ops) if op.startswith(("ld.global", "st.global")))
+    assert ops.index("griddepcontrol.wait") < first_global
+    assert not any(op.startswith("fma.") for op in ops)
+
+
+def test_tilelang_launch_config():
+    """Above M = 4096 the written-out pipeline; where the tails pass cannot tile the heads, the one-loop
+    kernel with the same bits; BN / BK clipped to the shape either way."""
+    from dsv41_passes.lowering.tilelang import wo_a as tw
+
+    assert tw.default_config(4096) == tw.BATCH_INVARIANT_CONFIG and tw.default_config(4097) == tw.SPECIALIZED_CONFIG
+    assert tw.launch_config(tw.SPECIALIZED_CONFIG, 16, 512, 1024, 64) == dict(tw.SPECIALIZED_CONFIG, BN=256, BK=64)
+    assert tw.launch_config(tw.SPECIALIZED_CONFIG, 16, 512, 1024, 0) == dict(tw.SPECIALIZED_CONFIG, BN=256, BK=64)
+    assert tw.launch_config(tw.SPECIALIZED_CONFIG, 12, 512, 96, 64) == dict(tw.BATCH_INVARIANT_CONFIG, BN=32, BK=64)
+    assert tw.launch_config(tw.SPECIALIZED_CONFIG, 12, 512, 1024, 0)["specialized"]  # no RoPE: no tails pass
+
+
 def test_tunables_run_every_candidate():
     """The warm-up's entry: the model's per-rank shapes, the same tactic key the launcher asks for, every
     candidate config (clipped to the shape) correct."""
@@ -293,9 +352,13 @@ out["decode"] = tw.lower_source(g, r, hpg, d, rd, dict(tw.default_config(1), BN=
 one_loop = [c for c in tw.CANDIDATES[tw.TACTIC_OP] if c.get("one_loop")]
 big = max(one_loop, key=lambda c: (c["BM"] * c["BN"], c["stages"]))
 out["one_loop"] = tw.compile_kernel(g, r, hpg, d, rd, big).get_kernel_source()  # nvcc, sm_90a
-bn, bk = tw._tiles(tw.default_config(65536), d, r, rd)
-out["prefill_default"] = tw.compile_kernel(g, r, hpg, d, rd, dict(tw.default_config(65536), BN=bn, BK=bk)
+bn, bk = tw._tiles(tw.default_config(4096), d, r, rd)
+out["prefill_default"] = tw.compile_kernel(g, r, hpg, d, rd, dict(tw.default_config(4096), BN=bn, BK=bk)
                                            ).get_kernel_source()  # nvcc, sm_90a
+for rope in (rd, 0):  # the default above M = 4096, with and without the inverse RoPE
+    bn, bk = tw._tiles(tw.default_config(65536), d, r, rope)
+    out[f"specialized_rd{rope}"] = tw.compile_kernel(g, r, hpg, d, rope, dict(tw.default_config(65536), BN=bn, BK=bk)
+                                                     ).get_kernel_source()  # nvcc, sm_90a
 regs = max((c for c in one_loop if c.get("rope_regs")), key=lambda c: (c["BM"] * c["BN"], c["stages"]))
 out["one_loop_rope_regs"] = tw.compile_kernel(g, r, hpg, d, rd, regs).get_kernel_source()  # nvcc, sm_90a
 json.dump(out, sys.stdout)
@@ -346,6 +409,16 @@ def test_tilelang_compiles_for_sm90a(tmp_path):
     regs = sources["one_loop_rope_regs"]
     assert "wgmma_rs" in regs and "wgmma_ss" in regs and "x * c" in regs
     assert "wgmma_rs" not in one
+    # the pipeline written out: producer / consumer register split, one TMA issue of A a chunk (from o, or
+    # for a head's last chunk from the de-rotated tails), no CTA-wide barrier after the set-up, no
+    # de-rotation in the kernel, the tile stored by TMA after a proxy fence
+    for rope in (64, 0):
+        src = sources[f"specialized_rd{rope}"]
+        assert "warpgroup_reg_dealloc<24>" in src and "warpgroup_reg_alloc<240>" in src
+        assert src.count("tl::tma_load(O_desc") == 1 and src.count("tl::tma_load(W_desc") == 1
+        assert src.count("tl::tma_load(CS_desc") == (1 if rope else 0)
+        assert src.count("__syncthreads()") == 1 and "x1 * c" not in src and "x0 * c" not in src
+        assert "fence_proxy_async" in src and "tma_store" in src and "64, 256, 16, false" in src
 
 
 # ------------------------------------------------------------------ GPU
@@ -395,6 +468,26 @@ def test_gpu_tilelang_one_loop_configs(tp):
                 out = tw.wo_a(o, w, c, s, rd, batch_invariant=False, config=cfg)
                 assert_bf16_gemm_close(out, run_op("reference", o, w, c, s, rd))
                 assert normwise_error(out, float64_oracle(o, w, c, s, rd, g)) <= 4e-3, (cfg, m, c is not None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", sorted(TP_SHAPES))
+def test_gpu_tilelang_specialized_gives_the_one_loop_bits(tp):
+    """The written-out pipeline fed the de-rotated rope chunks: the 128 x 256 one-loop kernel's bits, every M."""
+    if tilelang_available(torch.empty(0, device="cuda")):
+        pytest.skip(tilelang_available(torch.empty(0, device="cuda")))
+    from dsv41_passes.lowering.tilelang import wo_a as tw
+
+    h, d, g, r, rd = TP_SHAPES[tp]
+    o_all, w, _, cos_all, sin_all = make(max(GPU_M), h, d, g, r, rd, seed=7, device="cuda")
+    for cfg in [c for c in tw.CANDIDATES[tw.TACTIC_OP] if c.get("specialized")]:
+        for m in GPU_M:
+            o, cos, sin = o_all[:m], cos_all[:m], sin_all[:m]
+            for c, s in ((cos, sin), (None, None)):
+                out = tw.wo_a(o, w, c, s, rd, batch_invariant=False, config=cfg)
+                base = tw.wo_a(o, w, c, s, rd, batch_invariant=False, config=tw.BATCH_INVARIANT_CONFIG)
+                assert torch.equal(out.view(torch.int16), base.view(torch.int16)), (cfg, m, c is not None)
+    assert normwise_error(out, float64_oracle(o, w, None, None, rd, g)) <= 4e-3
 
 
 @pytest.mark.gpu

@@ -17,6 +17,10 @@ warp-specialized loop over every chunk instead: the rope chunk is de-rotated in 
 its pipeline stage, and the tile is split between warpgroups by rows, so a 128 x 256 tile
 issues wgmma m64n256k16 with four 48 KiB stages (192 KiB of shared memory).
 
+``wo_a_specialized`` (configs with ``specialized=True``, the default above M = 4096) computes the
+same product with the pipeline written out; its rope chunks are de-rotated beforehand by
+``triton.wo_a.rope_tails``, so its loop is a plain GEMM (the same bits as the one-loop kernel).
+
 The rope table is read as ``cs [M, RD]`` fp32 with cos/sin interleaved per pair
 (``view_as_real`` of the complex table, so the model's spelling needs no copy).
 M is ``T.dynamic``: one binary per config serves every token count. nvcc runs with
@@ -66,21 +70,30 @@ CANDIDATES: dict[str, list[dict]] = {
         # 128 x 256 it measured slower than in place (run14-quick_check-rest.log), so small tiles only
         dict(BM=64, BN=bn, BK=64, stages=4, threads=128, one_loop=True, rope_regs=True) for bn in (64, 128)
     ]
+    # the pipeline written out, rope chunks de-rotated beforehand (``wo_a_specialized``); either wgmma wait
+    + [dict(BM=128, BN=256, BK=64, stages=3, specialized=True, wait0=w) for w in (False, True)]
 }
 # Batch-invariant mode: the prefill default (no split-K, so a row's bits never depend on M); it
 # measured 1.73 ms at M = 65536 where the two-loop 128 x 128 kernel of runs <= 25 took 2.50
 BATCH_INVARIANT_CONFIG = dict(BM=128, BN=256, BK=64, stages=3, threads=256, one_loop=True, cs_regs=True,
                               epi_smem=True)
+# Above M = 4096 (outside batch-invariant mode): the same 128 x 256 product with the pipeline written out and
+# the rope chunks de-rotated by a Triton pass over them first; the same bits as BATCH_INVARIANT_CONFIG.
+# run94-probe_wo_a_specialized.log, two rounds each, ms: 1.557 / 1.612 vs 1.584 / 1.669 at 65536, 0.403 / 0.394
+# vs 0.444 / 0.421 at 16384, 0.0998 / 0.1007 vs 0.1012 / 0.1118 at 4096; at 1024 slower (0.047 vs 0.0315).
+SPECIALIZED_CONFIG = dict(BM=128, BN=256, BK=64, stages=3, specialized=True)
 # Untuned defaults by token count (upper M, config), from benchmarks/results/run27-quick_check-wo_a-small.log
 # and run26 (H200): split-K with 128 x 128 tiles for decode sizes (11.8 / 15.9 / 22.5 us at M = 128 / 256 /
 # 512 where the 64 x 64 one-loop kernel took 27.4 / 28.1 / 55.3), 128 x 128 up to 1024 (31.4 vs 112 us),
-# 128 x 256 with the tile stored through shared memory above (0.0997 vs 0.106 ms at 4096, 1.73 vs 1.80 at
-# 65536). M <= 16 (outside batch-invariant mode) runs the Triton split-K kernel (``triton.wo_a``).
+# 128 x 256 with the tile stored through shared memory up to 4096 (0.0997 vs 0.106 ms at 4096, 1.73 vs 1.80
+# at 65536), SPECIALIZED_CONFIG above. M <= 16 (outside batch-invariant mode) runs the Triton split-K kernel
+# (``triton.wo_a``).
 DEFAULTS: list[tuple[int, dict]] = [
     (128, dict(_DECODE, SPLIT=8)),
     (256, dict(_DECODE, SPLIT=4)),
     (512, dict(_DECODE, SPLIT=2)),
     (1024, _DECODE),
+    (4096, BATCH_INVARIANT_CONFIG),
 ]
 
 
@@ -89,7 +102,7 @@ def default_config(m: int) -> dict:
     for upper, cfg in DEFAULTS:
         if m <= upper:
             return dict(cfg)
-    return dict(BATCH_INVARIANT_CONFIG)
+    return dict(SPECIALIZED_CONFIG)
 
 
 def _pow2_divisor(x: int) -> int:
@@ -309,7 +322,8 @@ def compile_kernel(g: int, r: int, hpg: int, d: int, rope_dim: int, cfg: dict, t
         with tgt:
             fn = _builder(cfg)(g, r, hpg, d, rope_dim, **_tile_args(cfg))
             # no FMA contraction: the de-rotation rounds each product and sum like the reference
-            kernel = tilelang.compile(fn, target=tgt, execution_backend="tvm_ffi", compile_flags=["--fmad=false"])
+            kernel = tilelang.compile(fn, target=tgt, execution_backend="tvm_ffi", compile_flags=["--fmad=false"],
+                                      pass_configs=_pass_configs(cfg))
         _CACHE[key] = kernel
         return kernel
 
@@ -320,19 +334,43 @@ def lower_source(g: int, r: int, hpg: int, d: int, rope_dim: int, cfg: dict) -> 
     from tvm.target import Target
 
     tgt = Target(TARGET)
-    with tgt:
+    with tgt, tilelang.transform.PassContext(config=_pass_configs(cfg)):
         return tilelang.lower(_builder(cfg)(g, r, hpg, d, rope_dim, **_tile_args(cfg)), target=tgt).kernel_source
 
 
 def _builder(cfg: dict):
+    if cfg.get("specialized"):
+        from .wo_a_specialized import build_specialized  # noqa: PLC0415
+
+        return build_specialized
     return build_one_loop if cfg.get("one_loop") else build
 
 
+def _pass_configs(cfg: dict) -> dict:
+    if cfg.get("specialized"):
+        from .wo_a_specialized import PASS_CONFIGS  # noqa: PLC0415
+
+        return dict(PASS_CONFIGS)
+    return {}
+
+
 def _tile_args(cfg: dict) -> dict:
-    args = {k: v for k, v in cfg.items() if k not in ("one_loop", "SPLIT")}
+    skip = ("one_loop", "SPLIT")
+    if cfg.get("specialized"):  # always rope chunks from the de-rotated tails, the tile through shared memory
+        skip += ("specialized", "cs_regs", "epi_smem")
+    args = {k: v for k, v in cfg.items() if k not in skip}
     if cfg.get("SPLIT", 1) > 1:
         args["split"] = cfg["SPLIT"]
     return args
+
+
+def launch_config(config: dict, h: int, d: int, r: int, rope_dim: int) -> dict:
+    """``config`` with BN / BK clipped to the shape. A specialized config becomes the one-loop kernel with the
+    same bits (``BATCH_INVARIANT_CONFIG``) where ``rope_tails`` cannot tile the heads (a power of two only)."""
+    if config.get("specialized") and rope_dim and h & (h - 1):
+        config = BATCH_INVARIANT_CONFIG
+    bn, bk = _tiles(config, d, r, rope_dim)
+    return dict(config, BN=bn, BK=bk)
 
 
 def tactic_key(o: torch.Tensor, weight: torch.Tensor, rope_dim: int) -> tuple[str, dict]:
@@ -372,15 +410,24 @@ def wo_a(
         default = BATCH_INVARIANT_CONFIG if batch_invariant else default_config(m)
         op, key = tactic_key(o, weight, rd)
         config = tactic(op, m, key, default, batch_invariant=batch_invariant)
-    bn, bk = _tiles(config, d, r, rd)
-    cfg = dict(config, BN=bn, BK=bk)
+    cfg = launch_config(config, h, d, r, rd)
+    bn, bk = cfg["BN"], cfg["BK"]
     split = split_parts(cfg.pop("SPLIT", 1), h // g, batch_invariant, "tilelang")
     if split > 1:
-        if not cfg.get("one_loop"):
-            raise ValueError("wo_a (tilelang): split-K needs a one_loop config")
+        if not cfg.get("one_loop") or cfg.get("specialized"):
+            raise ValueError("wo_a (tilelang): split-K needs a one_loop config (not a specialized one)")
         cfg["SPLIT"] = split
     kernel = compile_kernel(g, r, h // g, d, rd, cfg)
-    cs = _rope_table(cos, sin, m, rd) if rd else torch.empty((m, 2), dtype=torch.float32, device=o.device)  # unread
+    if rd and cfg.get("specialized"):  # its rope chunks come in de-rotated
+        from ..triton.wo_a import rope_tails  # noqa: PLC0415  (one pass over the rope chunks of o)
+
+        cs = rope_tails(o, cos, sin, rd, bk).view(m, h * bk)
+    elif rd:
+        cs = _rope_table(cos, sin, m, rd)
+    elif cfg.get("specialized"):
+        cs = torch.empty((m, 1), dtype=o.dtype, device=o.device)  # unread
+    else:
+        cs = torch.empty((m, 2), dtype=torch.float32, device=o.device)  # unread
     if split == 1:
         kernel(o.view(m, h * d), weight, cs, z)
         return z

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ...tuning import tactic
 from ..wo_a import geometry, split_parts
-from .common import INTERPRET, rne_bf16
+from .common import INTERPRET, gdc_launch_dependents, gdc_wait, pdl_available, rne_bf16
 
 # Configs worth timing per op (a tuner picks per M bucket; BN and BK are clipped to the shape).
 CANDIDATES: dict[str, list[dict]] = {
@@ -217,6 +217,72 @@ def wo_a(
         enable_fp_fusion=False,  # no FMA contraction: the de-rotation rounds like the reference
     )
     return sum_splits(out, z) if split > 1 else z
+
+
+@triton.jit
+def _bf16_bits(y, INTERP: tl.constexpr):
+    """fp32 -> its bf16 rounding (nearest even) as the low 16 bits of a uint32."""
+    return rne_bf16(y, INTERP).to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _rope_tails_kernel(
+    o_ptr, cos_ptr, sin_ptr, t_ptr, M, stride_ow, stride_cm, stride_ck, stride_sm, stride_sk,
+    H: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+    INTERP: tl.constexpr, PDL: tl.constexpr,
+):
+    """``t[m, h, :] = o[m, h, D-BK:]`` with the last RD columns de-rotated (the rope chunks of the
+    specialized TileLang kernel), ``BT`` tokens a program. o and t are read and written as 32-bit words,
+    one (even, odd) bf16 pair each; the rounding is the GEMM kernels' (fp32, no FMA, one bf16 rounding)."""
+    if PDL:  # let the next grid launch, then wait for the previous one's writes
+        gdc_launch_dependents()
+        gdc_wait()
+    PW: tl.constexpr = BK // 2  # words of a head's last chunk
+    row = tl.program_id(0).to(tl.int64) * (BT * H) + tl.arange(0, BT * H)  # (token, head)
+    tok = row // H
+    rmask = tok[:, None] < M
+    q = tl.arange(0, PW)
+    is_rope = q >= (BK - RD) // 2
+    pair = tl.where(is_rope, q - (BK - RD) // 2, 0)
+    # cos/sin once a token, then broadcast over its heads
+    t8 = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    cmask = (t8[:, None] < M) & is_rope[None, :]
+    c = tl.load(cos_ptr + t8[:, None] * stride_cm + pair[None, :] * stride_ck, mask=cmask, other=0.0)
+    s = tl.load(sin_ptr + t8[:, None] * stride_sm + pair[None, :] * stride_sk, mask=cmask, other=0.0)
+    c = tl.reshape(tl.broadcast_to(c[:, None, :], (BT, H, PW)), (BT * H, PW))
+    s = tl.reshape(tl.broadcast_to(s[:, None, :], (BT, H, PW)), (BT * H, PW))
+    src = o_ptr + tok[:, None] * stride_ow + ((row % H) * (D // 2) + (D - BK) // 2)[:, None] + q[None, :]
+    w = tl.load(src, mask=rmask, other=0).to(tl.uint32, bitcast=True)
+    x0 = (w << 16).to(tl.float32, bitcast=True)
+    x1 = (w & 0xFFFF0000).to(tl.float32, bitcast=True)
+    y = (_bf16_bits(x1 * c - x0 * s, INTERP) << 16) | _bf16_bits(x0 * c + x1 * s, INTERP)
+    out = tl.where(is_rope[None, :], y, w).to(tl.int32, bitcast=True)
+    tl.store(t_ptr + row[:, None] * PW + q[None, :], out, mask=rmask)
+
+
+# tokens a program of ``rope_tails`` (16 heads x 32 words: 2 KiB a token)
+ROPE_TAILS_BT = 8
+
+
+def rope_tails(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, bk: int) -> torch.Tensor:
+    """``[M, H, bk]`` bf16: each head's last ``bk`` columns of ``o [M, H, D]`` (contiguous), the last
+    ``rope_dim`` of them de-rotated (fp32, one bf16 rounding, like the reference)."""
+    m, h, d = o.shape
+    if rope_dim % 2 or bk % 2 or not rope_dim <= bk <= d or (h * bk) & (h * bk - 1) or not o.is_contiguous():
+        raise ValueError(f"rope_tails: {h} heads x {bk} columns (rope {rope_dim}, head_dim {d}, contiguous "
+                         f"{o.is_contiguous()}) do not tile")
+    t = torch.empty((m, h, bk), dtype=o.dtype, device=o.device)
+    if m == 0:
+        return t
+    words = o.view(m, h * d).view(torch.int32)
+    pdl = pdl_available(o.device)
+    _rope_tails_kernel[(triton.cdiv(m, ROPE_TAILS_BT),)](
+        words, cos, sin, t.view(m, h * bk).view(torch.int32), m, words.stride(0),
+        cos.stride(0), cos.stride(-1), sin.stride(0), sin.stride(-1),
+        H=h, D=d, RD=rope_dim, BK=bk, BT=ROPE_TAILS_BT, INTERP=INTERPRET, PDL=pdl, num_warps=4,
+        enable_fp_fusion=False, **({"launch_pdl": True} if pdl else {}),
+    )
+    return t
 
 
 def sum_splits(part: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
