@@ -134,6 +134,18 @@ def _capture(fn: Callable[[], Any], n: int) -> "torch.cuda.CUDAGraph":
     return g
 
 
+def wo_a_probe_inputs(m: int, tp: int = 4, seed: int = 0):
+    """WO-A inputs at V4.1-Flash per-rank shapes for the probes: ``(o [M, 64/tp, 512], weight, cos, sin,
+    (H, D, G, R, rope_dim))``, random angles per token (cos/sin strided views of one complex table)."""
+    h, d, g, r, rd = 64 // tp, 512, 8 // tp, 1024, 64
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    o = torch.randn(m, h, d, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(g * r, h // g * d, device="cuda", generator=gen) / 64).bfloat16()
+    ang = torch.rand(m, rd // 2, device="cuda", generator=gen) * 6.3
+    cs = torch.view_as_real(torch.polar(torch.ones_like(ang), ang))
+    return o, w, cs[..., 0], cs[..., 1], (h, d, g, r, rd)
+
+
 def measure_copy_bandwidth(gib: float = 4.0) -> float:
     """Bytes/s of a device-to-device copy, counting bytes read plus written."""
     n = int(gib * 2**30) // 4

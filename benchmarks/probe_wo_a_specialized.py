@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import time_ms  # noqa: E402
+from benchmarks.common import time_ms, wo_a_probe_inputs  # noqa: E402
 
 SPECIALIZED = [
     dict(BM=128, BN=256, BK=64, stages=3, specialized=True),
@@ -40,13 +40,7 @@ def probe(m: int, tp: int, rounds: int) -> list[tuple]:
     from dsv41_passes.lowering.tilelang import wo_a as tw
     from dsv41_passes.lowering.triton.wo_a import rope_tails
 
-    h, d, g, r, rd = 64 // tp, 512, 8 // tp, 1024, 64
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    o = torch.randn(m, h, d, device="cuda", generator=gen).bfloat16()
-    w = (torch.randn(g * r, h // g * d, device="cuda", generator=gen) / 64).bfloat16()
-    ang = torch.rand(m, rd // 2, device="cuda", generator=gen) * 6.3
-    cs = torch.view_as_real(torch.polar(torch.ones_like(ang), ang))
-    cos, sin = cs[..., 0], cs[..., 1]
+    o, w, cos, sin, (h, d, g, r, rd) = wo_a_probe_inputs(m, tp)
     ref = torch.ops.dsv41.wo_a(o, w, cos, sin, rd, "reference", 0).float()
     flops = 2 * m * g * r * (h // g) * d
     rows = []
@@ -75,7 +69,7 @@ def probe(m: int, tp: int, rounds: int) -> list[tuple]:
         print(rows[-1], flush=True)
     tails = rope_tails(o, cos, sin, rd, 64)
     t = time_ms(lambda: rope_tails(o, cos, sin, rd, 64))
-    moved = o.numel() // (d // 64) * 2 * 2 + cs.numel() * 4  # the rope chunks read and written, the table read
+    moved = o.numel() // (d // 64) * 2 * 2 + m * rd * 4  # the rope chunks read and written, the table read
     rows.append((tp, m, "rope_tails alone (Triton)", f"{tails.shape[-1]} columns a head", "", t,
                  f"{moved / t / 1e6:.0f} GB/s"))
     print(rows[-1], flush=True)

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import measure_copy_bandwidth, time_ms  # noqa: E402
+from benchmarks.common import measure_copy_bandwidth, time_ms, wo_a_probe_inputs  # noqa: E402
 
 ROWS: list[tuple[str, ...]] = []
 BANDWIDTH = 0.0
@@ -191,13 +191,7 @@ def wo_a(m: int) -> None:
     from dsv41_passes.lowering.tilelang import wo_a as tw
     from dsv41_passes.lowering.triton import wo_a as tk
 
-    h, d, g_, r, rd = 16, 512, 2, 1024, 64
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    o = torch.randn(m, h, d, device="cuda", generator=gen).bfloat16()
-    w = (torch.randn(g_ * r, h // g_ * d, device="cuda", generator=gen) / 64).bfloat16()
-    ang = torch.rand(m, rd // 2, device="cuda", generator=gen) * 6.3
-    cs = torch.view_as_real(torch.polar(torch.ones_like(ang), ang))
-    cos, sin = cs[..., 0], cs[..., 1]
+    o, w, cos, sin, (h, d, g_, r, rd) = wo_a_probe_inputs(m, tp=4)
     ref = torch.ops.dsv41.wo_a(o, w, cos, sin, rd, "reference", 0).float()
     flops = 2 * m * g_ * r * (h // g_) * d
     big = dict(BM=128, BN=256, BK=64, stages=4, threads=256, one_loop=True)

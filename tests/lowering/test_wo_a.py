@@ -451,42 +451,45 @@ def test_gpu_numerics(provider, tp):
             assert normwise_error(out, float64_oracle(o, w, c, s, rd, g)) <= 4e-3, (m, c is not None)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("tp", sorted(TP_SHAPES))
-def test_gpu_tilelang_one_loop_configs(tp):
-    """Every tuner candidate of the one-loop TileLang kernel, with and without the inverse RoPE."""
+def _tilelang_candidates(tp, seed, pick):
+    """``(cfg, o, w, cos, sin)`` for every TileLang tuner candidate ``pick`` accepts, every GPU_M, with and
+    without the inverse RoPE (cos = sin = None)."""
     if tilelang_available(torch.empty(0, device="cuda")):
         pytest.skip(tilelang_available(torch.empty(0, device="cuda")))
     from dsv41_passes.lowering.tilelang import wo_a as tw
 
     h, d, g, r, rd = TP_SHAPES[tp]
-    o_all, w, _, cos_all, sin_all = make(max(GPU_M), h, d, g, r, rd, seed=5, device="cuda")
-    for cfg in [c for c in tw.CANDIDATES[tw.TACTIC_OP] if c.get("one_loop")]:
+    o_all, w, _, cos_all, sin_all = make(max(GPU_M), h, d, g, r, rd, seed=seed, device="cuda")
+    for cfg in [c for c in tw.CANDIDATES[tw.TACTIC_OP] if pick(c)]:
         for m in GPU_M:
-            o, cos, sin = o_all[:m], cos_all[:m], sin_all[:m]
-            for c, s in ((cos, sin), (None, None)):
-                out = tw.wo_a(o, w, c, s, rd, batch_invariant=False, config=cfg)
-                assert_bf16_gemm_close(out, run_op("reference", o, w, c, s, rd))
-                assert normwise_error(out, float64_oracle(o, w, c, s, rd, g)) <= 4e-3, (cfg, m, c is not None)
+            for c, s in ((cos_all[:m], sin_all[:m]), (None, None)):
+                yield cfg, o_all[:m], w, c, s
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", sorted(TP_SHAPES))
+def test_gpu_tilelang_one_loop_configs(tp):
+    """Every tuner candidate of the one-loop TileLang kernel, with and without the inverse RoPE."""
+    from dsv41_passes.lowering.tilelang import wo_a as tw
+
+    _, _, g, _, rd = TP_SHAPES[tp]
+    for cfg, o, w, c, s in _tilelang_candidates(tp, 5, lambda c: c.get("one_loop")):
+        out = tw.wo_a(o, w, c, s, rd, batch_invariant=False, config=cfg)
+        assert_bf16_gemm_close(out, run_op("reference", o, w, c, s, rd))
+        assert normwise_error(out, float64_oracle(o, w, c, s, rd, g)) <= 4e-3, (cfg, o.shape[0], c is not None)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tp", sorted(TP_SHAPES))
 def test_gpu_tilelang_specialized_gives_the_one_loop_bits(tp):
     """The written-out pipeline fed the de-rotated rope chunks: the 128 x 256 one-loop kernel's bits, every M."""
-    if tilelang_available(torch.empty(0, device="cuda")):
-        pytest.skip(tilelang_available(torch.empty(0, device="cuda")))
     from dsv41_passes.lowering.tilelang import wo_a as tw
 
-    h, d, g, r, rd = TP_SHAPES[tp]
-    o_all, w, _, cos_all, sin_all = make(max(GPU_M), h, d, g, r, rd, seed=7, device="cuda")
-    for cfg in [c for c in tw.CANDIDATES[tw.TACTIC_OP] if c.get("specialized")]:
-        for m in GPU_M:
-            o, cos, sin = o_all[:m], cos_all[:m], sin_all[:m]
-            for c, s in ((cos, sin), (None, None)):
-                out = tw.wo_a(o, w, c, s, rd, batch_invariant=False, config=cfg)
-                base = tw.wo_a(o, w, c, s, rd, batch_invariant=False, config=tw.BATCH_INVARIANT_CONFIG)
-                assert torch.equal(out.view(torch.int16), base.view(torch.int16)), (cfg, m, c is not None)
+    _, _, g, _, rd = TP_SHAPES[tp]
+    for cfg, o, w, c, s in _tilelang_candidates(tp, 7, lambda c: c.get("specialized")):
+        out = tw.wo_a(o, w, c, s, rd, batch_invariant=False, config=cfg)
+        base = tw.wo_a(o, w, c, s, rd, batch_invariant=False, config=tw.BATCH_INVARIANT_CONFIG)
+        assert torch.equal(out.view(torch.int16), base.view(torch.int16)), (cfg, o.shape[0], c is not None)
     assert normwise_error(out, float64_oracle(o, w, None, None, rd, g)) <= 4e-3
 
 
