@@ -366,10 +366,13 @@ def _tile_args(cfg: dict) -> dict:
 
 def launch_config(config: dict, h: int, d: int, r: int, rope_dim: int) -> dict:
     """``config`` with BN / BK clipped to the shape. A specialized config becomes the one-loop kernel with the
-    same bits (``BATCH_INVARIANT_CONFIG``) where ``rope_tails`` cannot tile the heads (a power of two only)."""
-    if config.get("specialized") and rope_dim and h & (h - 1):
-        config = BATCH_INVARIANT_CONFIG
+    same bits (``BATCH_INVARIANT_CONFIG``) where ``rope_tails`` cannot tile the heads' rope chunks."""
+    from ..triton.wo_a import rope_tails_tile  # noqa: PLC0415
+
     bn, bk = _tiles(config, d, r, rope_dim)
+    if config.get("specialized") and rope_dim and not rope_tails_tile(h, bk):
+        config = BATCH_INVARIANT_CONFIG
+        bn, bk = _tiles(config, d, r, rope_dim)
     return dict(config, BN=bn, BK=bk)
 
 
@@ -411,7 +414,6 @@ def wo_a(
         op, key = tactic_key(o, weight, rd)
         config = tactic(op, m, key, default, batch_invariant=batch_invariant)
     cfg = launch_config(config, h, d, r, rd)
-    bn, bk = cfg["BN"], cfg["BK"]
     split = split_parts(cfg.pop("SPLIT", 1), h // g, batch_invariant, "tilelang")
     if split > 1:
         if not cfg.get("one_loop") or cfg.get("specialized"):
@@ -421,7 +423,7 @@ def wo_a(
     if rd and cfg.get("specialized"):  # its rope chunks come in de-rotated
         from ..triton.wo_a import rope_tails  # noqa: PLC0415  (one pass over the rope chunks of o)
 
-        cs = rope_tails(o, cos, sin, rd, bk).view(m, h * bk)
+        cs = rope_tails(o, cos, sin, rd, cfg["BK"]).view(m, h * cfg["BK"])
     elif rd:
         cs = _rope_table(cos, sin, m, rd)
     elif cfg.get("specialized"):

@@ -20,6 +20,15 @@ except ImportError:  # pragma: no cover - older Triton
 PDL_SUPPORTED = gdc_wait is not None and not INTERPRET
 
 
+@triton.jit
+def pdl_prologue(PDL: tl.constexpr):
+    """PDL (the launch passes ``launch_pdl=True``): let the next kernel's grid launch now, then wait until
+    the previous kernel's writes are complete and visible, before any global access."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+
+
 @functools.lru_cache(maxsize=None)
 def _capability(index: int) -> tuple[int, int]:
     import torch

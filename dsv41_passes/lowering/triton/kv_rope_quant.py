@@ -28,7 +28,7 @@ at M = 65536 differ from the reference provider's by one FP8 step (run 67).
 
 Both kernels take the ``pdl`` config option (on in ``KV_DEFAULT``): launched by programmatic dependent
 launch where the GPU and Triton support it, the kernel lets the next grid launch, then waits for the
-previous grid's writes before its first global access (``_pdl_prologue``; the same arithmetic).
+previous grid's writes before its first global access (``common.pdl_prologue``; the same arithmetic).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import triton.language as tl
 
 from ...tuning import tactic
 from ..rope_tables import interleaved_view
-from .common import INTERPRET, gdc_launch_dependents, gdc_wait, pairwise_row_sum, pdl_available
+from .common import INTERPRET, pairwise_row_sum, pdl_available, pdl_prologue
 from .rope_store import (
     _fp8_qdq_pairs,
     _pack_bf16x2,
@@ -111,15 +111,6 @@ CANDIDATES: dict[str, list[dict]] = {
 
 def kv_shape_key(kv: torch.Tensor, cos: torch.Tensor, block: int) -> dict:
     return dict(d=kv.shape[1], rd=2 * cos.shape[1], block=block)
-
-
-@triton.jit
-def _pdl_prologue(PDL: tl.constexpr):
-    """PDL (config ``pdl``; the launch passes ``launch_pdl=True``): let the next kernel's grid launch now,
-    then wait until the previous kernel's writes are complete and visible, before any global access."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
 
 
 @triton.jit
@@ -199,7 +190,7 @@ def _kv_rope_quant_kernel(
     NR: tl.constexpr = NB >> HALVINGS  # quant blocks the RoPE runs on (TAIL), the last ones
     R0: tl.constexpr = (NB - NR) * HB  # their first word
     tl.static_assert(NR >= 1 and R0 <= PAIR0, "HALVINGS must leave every rotated word in the last piece")
-    _pdl_prologue(PDL)
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = t < M
     col = tl.arange(0, NB)[:, None] * HB + tl.arange(0, HB)[None, :]  # word = pair index
@@ -297,7 +288,7 @@ def _kv_rope_quant_blocks_kernel(
     HB: tl.constexpr = BLOCK // 2      # words a quant block
     Q: tl.constexpr = HB // 4          # 16-byte vectors a block
     RW: tl.constexpr = D // 2 - PAIR0  # rotated words
-    _pdl_prologue(PDL)
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = t < M
     # main tile [Q, BLOCK_T, NB, 4]: word nb * HB + q * 4 + v; a thread holds whole quant blocks

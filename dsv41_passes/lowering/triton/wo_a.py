@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ...tuning import tactic
 from ..wo_a import geometry, split_parts
-from .common import INTERPRET, gdc_launch_dependents, gdc_wait, pdl_available, rne_bf16
+from .common import INTERPRET, pdl_available, pdl_prologue, rne_bf16
 
 # Configs worth timing per op (a tuner picks per M bucket; BN and BK are clipped to the shape).
 CANDIDATES: dict[str, list[dict]] = {
@@ -234,18 +234,17 @@ def _rope_tails_kernel(
     """``t[m, h, :] = o[m, h, D-BK:]`` with the last RD columns de-rotated (the rope chunks of the
     specialized TileLang kernel), ``BT`` tokens a program. o and t are read and written as 32-bit words,
     one (even, odd) bf16 pair each; the rounding is the GEMM kernels' (fp32, no FMA, one bf16 rounding)."""
-    if PDL:  # let the next grid launch, then wait for the previous one's writes
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_prologue(PDL)
     PW: tl.constexpr = BK // 2  # words of a head's last chunk
-    row = tl.program_id(0).to(tl.int64) * (BT * H) + tl.arange(0, BT * H)  # (token, head)
+    t0 = tl.program_id(0).to(tl.int64) * BT
+    row = t0 * H + tl.arange(0, BT * H)  # (token, head)
     tok = row // H
     rmask = tok[:, None] < M
     q = tl.arange(0, PW)
     is_rope = q >= (BK - RD) // 2
     pair = tl.where(is_rope, q - (BK - RD) // 2, 0)
     # cos/sin once a token, then broadcast over its heads
-    t8 = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    t8 = t0 + tl.arange(0, BT)
     cmask = (t8[:, None] < M) & is_rope[None, :]
     c = tl.load(cos_ptr + t8[:, None] * stride_cm + pair[None, :] * stride_ck, mask=cmask, other=0.0)
     s = tl.load(sin_ptr + t8[:, None] * stride_sm + pair[None, :] * stride_sk, mask=cmask, other=0.0)
@@ -264,11 +263,16 @@ def _rope_tails_kernel(
 ROPE_TAILS_BT = 8
 
 
+def rope_tails_tile(heads: int, bk: int) -> bool:
+    """Whether ``rope_tails`` tiles ``heads`` chunks of ``bk`` columns a token (a power-of-two product)."""
+    return heads * bk > 0 and not (heads * bk) & (heads * bk - 1)
+
+
 def rope_tails(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, bk: int) -> torch.Tensor:
     """``[M, H, bk]`` bf16: each head's last ``bk`` columns of ``o [M, H, D]`` (contiguous), the last
     ``rope_dim`` of them de-rotated (fp32, one bf16 rounding, like the reference)."""
     m, h, d = o.shape
-    if rope_dim % 2 or bk % 2 or not rope_dim <= bk <= d or (h * bk) & (h * bk - 1) or not o.is_contiguous():
+    if rope_dim % 2 or bk % 2 or not rope_dim <= bk <= d or not rope_tails_tile(h, bk) or not o.is_contiguous():
         raise ValueError(f"rope_tails: {h} heads x {bk} columns (rope {rope_dim}, head_dim {d}, contiguous "
                          f"{o.is_contiguous()}) do not tile")
     t = torch.empty((m, h, bk), dtype=o.dtype, device=o.device)
