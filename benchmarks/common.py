@@ -125,6 +125,25 @@ def time_ms(fn: Callable[[], Any], graph: bool = True, reps: int = 30, inner: in
     return _median_ms(g.replay, reps) / n
 
 
+def time_interleaved(fns: dict[str, Callable[[], Any]], rounds: int = 8, reps: int = 5) -> dict[str, tuple]:
+    """``name -> (median, min)`` ms per call over ``rounds``: each round times every function once (the
+    median of ``reps`` CUDA-graph replays, each sized like ``time_ms``'s), in turn, so a drift of the
+    device's speed over the run falls on every function alike."""
+    graphs = {}
+    for name, fn in fns.items():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        est = _median_ms(_capture(fn, 1).replay, 5)
+        n = max(1, min(200, int(1.0 / max(est, 1e-3))))
+        graphs[name] = (_capture(fn, n), n)
+    seen: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, (g, n) in graphs.items():
+            seen[name].append(_median_ms(g.replay, reps) / n)
+    return {name: (statistics.median(v), min(v)) for name, v in seen.items()}
+
+
 def _capture(fn: Callable[[], Any], n: int) -> "torch.cuda.CUDAGraph":
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):

@@ -1,13 +1,15 @@
 """Probe: the warp-specialized TileLang WO-A kernel (``specialized=True``) against the current default.
 
-    source .devsite/setup.sh && python3 benchmarks/probe_wo_a_specialized.py [--m 65536 4096] [--tp 4] [--rounds 2]
+    source .devsite/setup.sh && python3 benchmarks/probe_wo_a_specialized.py [--m 65536 4096] [--tp 4] [--rounds 8]
 
-For each M: the TileLang default and each specialized config (its rope chunks de-rotated beforehand by
-``triton.wo_a.rope_tails``, timed inside the call), in turn, ``rounds`` times (this device reads up to
-~10% apart for one kernel timed at different moments), then the same without RoPE, ``rope_tails`` alone
-and cuBLAS bmm on a pre-transposed input. A row gives the bits against the default (the same bits are
-expected: the same K order, wgmma shape and rounding), the error against the reference and the
-CUDA-graph time.
+For each M: the TileLang default and each specialized config, with the rope chunks de-rotated beforehand
+by ``triton.wo_a.rope_tails`` (timed inside the call) or by the consumer warpgroups, persistent or not;
+then the same without RoPE, ``rope_tails`` alone and cuBLAS bmm on a pre-transposed input. A row gives
+the bits against the default (the same bits are expected: the same K order, wgmma shape and rounding),
+the error against the reference and the CUDA-graph time, median and minimum over ``rounds`` rounds that
+time every variant in turn (this device's speed drifts by up to ~10% over a run, which timing the
+variants one after another put on some of them only). Run 100's log has this probe with two more
+variants (rope chunks de-rotated by two producer warps), since dropped.
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import time_ms, wo_a_probe_inputs  # noqa: E402
+from benchmarks.common import time_interleaved, wo_a_probe_inputs  # noqa: E402
 
+_BASE = dict(BM=128, BN=256, BK=64, stages=3, specialized=True)
 SPECIALIZED = [
-    dict(BM=128, BN=256, BK=64, stages=3, specialized=True),
-    dict(BM=128, BN=256, BK=64, stages=3, specialized=True, wait0=True),
+    _BASE,
+    dict(_BASE, persistent=True),
+    dict(_BASE, rope="consumers"),
+    dict(_BASE, rope="consumers", persistent=True),
 ]
 
 
@@ -33,7 +38,7 @@ def _bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _name(c: dict) -> str:
-    return ",".join(f"{k}={v}" for k, v in c.items() if k != "specialized")
+    return ",".join(f"{k}={v}" for k, v in c.items() if k not in _BASE) or "tails"
 
 
 def probe(m: int, tp: int, rounds: int) -> list[tuple]:
@@ -43,13 +48,13 @@ def probe(m: int, tp: int, rounds: int) -> list[tuple]:
     o, w, cos, sin, (h, d, g, r, rd) = wo_a_probe_inputs(m, tp)
     ref = torch.ops.dsv41.wo_a(o, w, cos, sin, rd, "reference", 0).float()
     flops = 2 * m * g * r * (h // g) * d
-    rows = []
     default = tw.default_config(m)
     base = {rd: tw.wo_a(o, w, cos, sin, rd, batch_invariant=False, config=default),
             0: tw.wo_a(o, w, None, None, 0, batch_invariant=False, config=default)}
-    with_rope = [("default " + str(default), default, rd)] + [("specialized " + _name(c), c, rd) for c in SPECIALIZED]
-    without = [("no rope, default", default, 0)] + [("no rope, specialized " + _name(c), c, 0) for c in SPECIALIZED]
-    for name, cfg, rdim in with_rope * rounds + without:
+    variants = [("default", default, rd)] + [("specialized " + _name(c), c, rd) for c in SPECIALIZED]
+    variants += [("no rope, default", default, 0), ("no rope, specialized persistent", dict(_BASE, persistent=True), 0)]
+    fns, notes = {}, {}
+    for name, cfg, rdim in variants:
         c_, s_ = (cos, sin) if rdim else (None, None)
 
         def run(cfg=cfg, c_=c_, s_=s_, rdim=rdim):
@@ -59,33 +64,33 @@ def probe(m: int, tp: int, rounds: int) -> list[tuple]:
             out = run()
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001  (a config that does not build or launch)
-            rows.append((tp, m, name, f"{type(e).__name__}: {str(e)[:80]}", "", None, ""))
-            print(rows[-1], flush=True)
+            notes[name] = (f"{type(e).__name__}: {str(e)[:80]}", "")
+            print(name, notes[name], flush=True)
             continue
         err = ((out.float() - ref).norm() / ref.norm()).item() if rdim else float("nan")
-        t = time_ms(run)
-        rows.append((tp, m, name, f"same bits {_bits(out, base[rdim])}", f"{err:.1e}", t,
-                     f"{flops / t / 1e9:.0f} TFLOP/s"))
-        print(rows[-1], flush=True)
-    tails = rope_tails(o, cos, sin, rd, 64)
-    t = time_ms(lambda: rope_tails(o, cos, sin, rd, 64))
-    moved = o.numel() // (d // 64) * 2 * 2 + m * rd * 4  # the rope chunks read and written, the table read
-    rows.append((tp, m, "rope_tails alone (Triton)", f"{tails.shape[-1]} columns a head", "", t,
-                 f"{moved / t / 1e6:.0f} GB/s"))
-    print(rows[-1], flush=True)
+        notes[name] = (f"same bits {_bits(out, base[rdim])}", f"{err:.1e}")
+        print(name, notes[name], flush=True)
+        fns[name] = run
+        out = None
+    fns["rope_tails alone (Triton)"] = lambda: rope_tails(o, cos, sin, rd, 64)
+    notes["rope_tails alone (Triton)"] = ("", "")
     og = o.view(m, g, -1).transpose(0, 1).contiguous()
     wt = w.view(g, r, -1).transpose(1, 2)
-    t = time_ms(lambda: torch.bmm(og, wt))
-    rows.append((tp, m, "cuBLAS bmm, pre-transposed (no rope)", "", "", t, f"{flops / t / 1e9:.0f} TFLOP/s"))
-    print(rows[-1], flush=True)
+    fns["cuBLAS bmm, pre-transposed (no rope)"] = lambda: torch.bmm(og, wt)
+    notes["cuBLAS bmm, pre-transposed (no rope)"] = ("", "")
+    times = time_interleaved(fns, rounds=rounds)
+    rows = []
+    for name, (med, low) in times.items():
+        rate = f"{flops / med / 1e9:.0f} TFLOP/s" if "rope_tails" not in name else ""
+        rows.append((tp, m, name, *notes[name], med, low, rate))
     return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--m", type=int, nargs="+", default=[65536, 16384, 4096, 4097, 2048])
+    ap.add_argument("--m", type=int, nargs="+", default=[65536, 16384, 4096])
     ap.add_argument("--tp", type=int, nargs="+", default=[4])
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=8)
     args = ap.parse_args()
     import dsv41_passes  # noqa: F401  (registers the ops)
 
@@ -95,9 +100,10 @@ def main() -> None:
         for m in args.m:
             rows += probe(m, tp, args.rounds)
             torch.cuda.empty_cache()
-    print("\n| TP | M | variant | bits | vs reference | ms | rate |\n|---|---|---|---|---|---|---|")
+    print("\n| TP | M | variant | bits | vs reference | ms (median) | ms (min) | rate (median) |\n"
+          "|---|---|---|---|---|---|---|---|")
     for r_ in rows:
-        print("| " + " | ".join("-" if v is None else (f"{v:.4f}" if isinstance(v, float) else str(v)) for v in r_) + " |")
+        print("| " + " | ".join(f"{v:.4f}" if isinstance(v, float) else str(v) for v in r_) + " |")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ sm_90a with nvcc (no GPU). GPU (``-m gpu``): both kernels at the per-rank TP4 an
 shapes, M in {1, 7, 4096, 4097}, and bitwise row invariance across M.
 """
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -238,6 +239,25 @@ def test_tilelang_launch_config():
     assert tw.launch_config(tw.SPECIALIZED_CONFIG, 16, 512, 1024, 0) == dict(tw.SPECIALIZED_CONFIG, BN=256, BK=64)
     assert tw.launch_config(tw.SPECIALIZED_CONFIG, 12, 512, 96, 64) == dict(tw.BATCH_INVARIANT_CONFIG, BN=32, BK=64)
     assert tw.launch_config(tw.SPECIALIZED_CONFIG, 12, 512, 1024, 0)["specialized"]  # no RoPE: no tails pass
+    # the consumers de-rotate 16-byte pieces of half a row: rope dims that do not split so go to the tails pass
+    cons = dict(tw.SPECIALIZED_CONFIG, rope="consumers")
+    assert tw.launch_config(cons, 16, 512, 1024, 64)["rope"] == "consumers"
+    assert tw.launch_config(cons, 16, 512, 1024, 24)["rope"] == "tails"
+    assert tw.derotates_beforehand(tw.launch_config(cons, 16, 512, 1024, 24), 24)
+    assert not tw.derotates_beforehand(tw.launch_config(cons, 16, 512, 1024, 64), 64)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="tilelang is not installed")
+def test_tilelang_specialized_checks_its_register_split():
+    """setmaxnreg moves registers between warpgroups within what the launch holds; a split past it would
+    make the consumers' ``setmaxnreg.inc`` wait forever (a hang, run 99), so the builder refuses it."""
+    from dsv41_passes.lowering.tilelang.wo_a_specialized import build_specialized
+
+    assert build_specialized(2, 1024, 8, 512, 64, 128, 256, 64, 3) is not None  # 24 + 2 x 240 at 384 threads
+    with pytest.raises(ValueError, match="setmaxnreg"):
+        build_specialized(2, 1024, 8, 512, 64, 192, 256, 64, 3)  # 3 consumers at 512 threads: 128 each
+    with pytest.raises(ValueError, match="rope"):
+        build_specialized(2, 1024, 8, 512, 24, 128, 256, 64, 3, rope="consumers")
 
 
 def test_tunables_run_every_candidate():
@@ -359,6 +379,9 @@ for rope in (rd, 0):  # the default above M = 4096, with and without the inverse
     bn, bk = tw._tiles(tw.default_config(65536), d, r, rope)
     out[f"specialized_rd{rope}"] = tw.compile_kernel(g, r, hpg, d, rope, dict(tw.default_config(65536), BN=bn, BK=bk)
                                                      ).get_kernel_source()  # nvcc, sm_90a
+cons = tw.launch_config(dict(tw.SPECIALIZED_CONFIG, rope="consumers"), hpg * g, d, r, rd)
+out["specialized_consumers"] = tw.lower_source(g, r, hpg, d, rd, cons)  # codegen only
+out["specialized_one_pass"] = tw.lower_source(g, r, hpg, d, rd, dict(cons, persistent=False))
 regs = max((c for c in one_loop if c.get("rope_regs")), key=lambda c: (c["BM"] * c["BN"], c["stages"]))
 out["one_loop_rope_regs"] = tw.compile_kernel(g, r, hpg, d, rd, regs).get_kernel_source()  # nvcc, sm_90a
 json.dump(out, sys.stdout)
@@ -419,6 +442,19 @@ def test_tilelang_compiles_for_sm90a(tmp_path):
         assert src.count("tl::tma_load(CS_desc") == (1 if rope else 0)
         assert src.count("__syncthreads()") == 1 and "x1 * c" not in src and "x0 * c" not in src
         assert "fence_proxy_async" in src and "tma_store" in src and "64, 256, 16, false" in src
+        # persistent: one CTA an SM (an H200's 132 here) walks the tiles, so the stage ring's count runs on
+        # across tiles, the last stage of a tile is released, and z_s is free again before it is rewritten
+        assert "/ 132)" in src and "(it_1 * 64) + t_1" in src and src.count("__sync_thread_partial(1, 256)") == 2
+    # rope chunks de-rotated by the consumers: each thread's cos/sin once a tile (16-byte loads), its pairs in
+    # 16-byte pieces of the stage, a proxy fence and its own warpgroup's barrier before the wgmma; no tails
+    for name in ("specialized_consumers", "specialized_one_pass"):
+        src = sources[name]
+        assert "CS_desc" not in src and "float* __restrict__ CS" in src and "*(float4*)(CS" in src
+        assert src.count("*(uint4*)(x_r + 0) = *(uint4*)(((bfloat16_t*)a_s)") == 1
+        assert "(x0 * c0) + (x1 * s0)" in src and "(x1 * c0) - (x0 * s0)" in src
+        head = src[src.index("(x1 * c0) - (x0 * s0)"):src.index("wgmma_ss")]
+        assert "fence_proxy_async" in head and "__sync_thread_partial(((((int)threadIdx.x) >> 7) + 1), 128)" in head
+    assert "/ 132)" in sources["specialized_consumers"] and "/ 132)" not in sources["specialized_one_pass"]
 
 
 # ------------------------------------------------------------------ GPU

@@ -17,9 +17,10 @@ warp-specialized loop over every chunk instead: the rope chunk is de-rotated in 
 its pipeline stage, and the tile is split between warpgroups by rows, so a 128 x 256 tile
 issues wgmma m64n256k16 with four 48 KiB stages (192 KiB of shared memory).
 
-``wo_a_specialized`` (configs with ``specialized=True``, the default above M = 4096) computes the
-same product with the pipeline written out; its rope chunks are de-rotated beforehand by
-``triton.wo_a.rope_tails``, so its loop is a plain GEMM (the same bits as the one-loop kernel).
+``wo_a_specialized`` (configs with ``specialized=True``, the default above M = 4096, persistent there)
+computes the same product with the pipeline written out; its rope chunks are de-rotated beforehand by
+``triton.wo_a.rope_tails``, so its loop is a plain GEMM (the same bits as the one-loop kernel), or with
+``rope="consumers"`` by its consumer warpgroups.
 
 The rope table is read as ``cs [M, RD]`` fp32 with cos/sin interleaved per pair
 (``view_as_real`` of the complex table, so the model's spelling needs no copy).
@@ -72,16 +73,21 @@ CANDIDATES: dict[str, list[dict]] = {
     ]
     # the pipeline written out, rope chunks de-rotated beforehand (``wo_a_specialized``); either wgmma wait
     + [dict(BM=128, BN=256, BK=64, stages=3, specialized=True, wait0=w) for w in (False, True)]
+    # a persistent tile loop, and / or the rope chunks de-rotated by the consumer warpgroups
+    + [dict(BM=128, BN=256, BK=64, stages=3, specialized=True, persistent=True)]
+    + [dict(BM=128, BN=256, BK=64, stages=3, specialized=True, rope="consumers", persistent=p) for p in (False, True)]
 }
 # Batch-invariant mode: the prefill default (no split-K, so a row's bits never depend on M); it
 # measured 1.73 ms at M = 65536 where the two-loop 128 x 128 kernel of runs <= 25 took 2.50
 BATCH_INVARIANT_CONFIG = dict(BM=128, BN=256, BK=64, stages=3, threads=256, one_loop=True, cs_regs=True,
                               epi_smem=True)
-# Above M = 4096 (outside batch-invariant mode): the same 128 x 256 product with the pipeline written out and
-# the rope chunks de-rotated by a Triton pass over them first; the same bits as BATCH_INVARIANT_CONFIG.
-# run94-probe_wo_a_specialized.log, two rounds each, ms: 1.557 / 1.612 vs 1.584 / 1.669 at 65536, 0.403 / 0.394
-# vs 0.444 / 0.421 at 16384, 0.0998 / 0.1007 vs 0.1012 / 0.1118 at 4096; at 1024 slower (0.047 vs 0.0315).
-SPECIALIZED_CONFIG = dict(BM=128, BN=256, BK=64, stages=3, specialized=True)
+# Above M = 4096 (outside batch-invariant mode): the same 128 x 256 product with the pipeline written out, the
+# rope chunks de-rotated by a Triton pass over them first, one persistent CTA an SM; the same bits as
+# BATCH_INVARIANT_CONFIG. run100-probe_wo_a_specialized.log (medians of 8 interleaved rounds, ms): 1.635 vs
+# 1.652 (not persistent) and 1.658 (BATCH_INVARIANT_CONFIG) at 65536, 0.423 vs 0.434 / 0.435 at 16384; without
+# RoPE 1.502 vs 1.614 at 65536 (cuBLAS 1.498). The pipeline written out, not persistent, against the one-loop
+# kernel: run94-probe_wo_a_specialized.log.
+SPECIALIZED_CONFIG = dict(BM=128, BN=256, BK=64, stages=3, specialized=True, persistent=True)
 # Untuned defaults by token count (upper M, config), from benchmarks/results/run27-quick_check-wo_a-small.log
 # and run26 (H200): split-K with 128 x 128 tiles for decode sizes (11.8 / 15.9 / 22.5 us at M = 128 / 256 /
 # 512 where the 64 x 64 one-loop kernel took 27.4 / 28.1 / 55.3), 128 x 128 up to 1024 (31.4 vs 112 us),
@@ -310,7 +316,8 @@ _LOCK = threading.Lock()
 
 def compile_kernel(g: int, r: int, hpg: int, d: int, rope_dim: int, cfg: dict, target: dict | None = None):
     """Compiled kernel for a geometry + config, cached (one binary serves every M)."""
-    key = (g, r, hpg, d, rope_dim, tuple(sorted(cfg.items())), tuple(sorted((target or TARGET).items())))
+    key = (g, r, hpg, d, rope_dim, tuple(sorted(_tile_args(cfg).items())), _builder(cfg).__name__,
+           tuple(sorted((target or TARGET).items())))
     with _LOCK:
         hit = _CACHE.get(key)
         if hit is not None:
@@ -356,21 +363,39 @@ def _pass_configs(cfg: dict) -> dict:
 
 def _tile_args(cfg: dict) -> dict:
     skip = ("one_loop", "SPLIT")
-    if cfg.get("specialized"):  # always rope chunks from the de-rotated tails, the tile through shared memory
-        skip += ("specialized", "cs_regs", "epi_smem")
+    if cfg.get("specialized"):  # the tile always leaves through shared memory
+        skip += ("specialized", "cs_regs", "epi_smem", "persistent")
     args = {k: v for k, v in cfg.items() if k not in skip}
     if cfg.get("SPLIT", 1) > 1:
         args["split"] = cfg["SPLIT"]
+    if cfg.get("specialized") and cfg.get("persistent"):
+        args["ctas"] = sm_count()
     return args
 
 
+def sm_count() -> int:
+    """CTAs of a persistent kernel: the current device's SMs (an H200's 132 without a GPU)."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return 132
+
+
+def derotates_beforehand(cfg: dict, rope_dim: int) -> bool:
+    """Whether the kernel of ``cfg`` reads its rope chunks de-rotated by ``rope_tails`` (not the table)."""
+    return bool(rope_dim and cfg.get("specialized") and cfg.get("rope", "tails") == "tails")
+
+
 def launch_config(config: dict, h: int, d: int, r: int, rope_dim: int) -> dict:
-    """``config`` with BN / BK clipped to the shape. A specialized config becomes the one-loop kernel with the
-    same bits (``BATCH_INVARIANT_CONFIG``) where ``rope_tails`` cannot tile the heads' rope chunks."""
+    """``config`` with BN / BK clipped to the shape. A specialized config whose consumers cannot de-rotate the
+    rope pairs (``rope_reason``) reads them from ``rope_tails``; one that reads them from there becomes the
+    one-loop kernel with the same bits (``BATCH_INVARIANT_CONFIG``) where ``rope_tails`` cannot tile them."""
     from ..triton.wo_a import rope_tails_tile  # noqa: PLC0415
+    from .wo_a_specialized import rope_reason  # noqa: PLC0415
 
     bn, bk = _tiles(config, d, r, rope_dim)
-    if config.get("specialized") and rope_dim and not rope_tails_tile(h, bk):
+    if config.get("specialized") and rope_dim and rope_reason(config.get("rope", "tails"), rope_dim):
+        config = dict(config, rope="tails")
+    if derotates_beforehand(config, rope_dim) and not rope_tails_tile(h, bk):
         config = BATCH_INVARIANT_CONFIG
         bn, bk = _tiles(config, d, r, rope_dim)
     return dict(config, BN=bn, BK=bk)
@@ -420,7 +445,7 @@ def wo_a(
             raise ValueError("wo_a (tilelang): split-K needs a one_loop config (not a specialized one)")
         cfg["SPLIT"] = split
     kernel = compile_kernel(g, r, h // g, d, rd, cfg)
-    if rd and cfg.get("specialized"):  # its rope chunks come in de-rotated
+    if derotates_beforehand(cfg, rd):  # its rope chunks come in de-rotated
         from ..triton.wo_a import rope_tails  # noqa: PLC0415  (one pass over the rope chunks of o)
 
         cs = rope_tails(o, cos, sin, rd, cfg["BK"]).view(m, h * cfg["BK"])

@@ -1,101 +1,183 @@
 """Warp-specialized TileLang WO-A kernel (sm_90a) with the pipeline written out.
 
 The product of ``wo_a.build_one_loop`` (one K loop over every ``BK`` chunk of the group, the tile
-split between consumer warpgroups by rows, ``wgmma m64 x BN``, the same K order, so the same bits),
-but the rope chunks come in already de-rotated: ``T [M, H*BK]`` bf16, every head's last chunk with
-its rope dims de-rotated by ``triton.wo_a.rope_tails`` (the reference's rounding). The loop is then
-a plain GEMM whose A tile comes from o or, for a head's last chunk, from T. TileLang's own warp
-specialization keeps TMA loads only for an unconditional copy, so the pipeline is written here:
+split between consumer warpgroups by rows, ``wgmma m64 x BN``, the same K order, so the same bits).
+TileLang's own warp specialization keeps TMA loads only for an unconditional copy, so the pipeline is
+written here:
 
 * warp 0 issues the TMA loads of the A and W tiles into ``stages`` stages (barrier ``loaded[stage]``);
 * the consumer warpgroups wait on ``loaded``, issue the chunk's wgmma asynchronously and release the
   previous chunk's stage once its wgmma has completed (``wgmma.wait_group 1``), or with ``wait0`` wait
   for the chunk's own wgmma and release its stage (TileLang's schedule).
 
+Where the rope chunks are de-rotated (``rope``):
+
+* ``"tails"``: beforehand, by ``triton.wo_a.rope_tails`` into ``CS [M, H*BK]`` bf16; the producer loads
+  a head's last chunk from there, and the loop is a plain GEMM.
+* ``"consumers"``: in the kernel. ``CS`` is the ``[M, RD]`` fp32 table (cos/sin interleaved); each
+  consumer thread owns half the rope pairs of one row of its warpgroup's rows, loads their cos/sin into
+  registers once per tile, and de-rotates them in the stage, 16 bytes at a time (fp32, one bf16 rounding,
+  like the reference), while the previous chunk's wgmma runs; a proxy fence and a warpgroup barrier,
+  then the chunk's wgmma.
+
+``ctas`` > 0: a persistent kernel of ``ctas`` CTAs that walk the tiles (column tiles fastest); the
+producer runs ahead into the next tile while the consumers store the last one.
+
 The bf16 tile leaves through shared memory (TMA store). M is ``T.dynamic``.
-Run 91 tried the de-rotation in the producer warpgroup instead (three warps de-rotating the rope chunk
-in shared memory): with cos/sin read from L2 a pair at a time it took 2.3-2.5 times the kernel's time.
+De-rotating in the producer warpgroup was tried twice and dropped: three warps reading cos/sin from L2 a
+pair at a time took 2.3-2.5 times the kernel's time (run 91); two warps in 16-byte pieces, the rope chunk
+on its own barrier, 2.63 against 1.65 ms at M = 65536 (run 100): each piece waits on its cos/sin from L2.
 """
 
 # No ``from __future__ import annotations``: TileLang evaluates the prim_func annotations.
 
 PRODUCER_REGS, CONSUMER_REGS = 24, 240  # setmaxnreg budgets (TileLang's own for this split)
-# the pipeline is written out, and so are the two thread syncs it needs
+# the pipeline is written out, and so are the thread syncs it needs
 PASS_CONFIGS = {"tl.disable_warp_specialized": True, "tl.disable_thread_storage_sync": True}
+ROPE_PLACES = ("tails", "consumers")
+
+
+def rope_reason(rope: str, rope_dim: int) -> str | None:
+    """Why the kernel cannot de-rotate the rope pairs itself in this place (16-byte pieces)."""
+    if rope == "consumers" and rope_dim % 16:
+        return f"rope_dim {rope_dim} does not split into two halves of 16-byte pieces"
+    return None
 
 
 def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN: int, BK: int,
-                      stages: int, threads: int = 0, wait0: bool = False):
+                      stages: int, threads: int = 0, wait0: bool = False, rope: str = "tails", ctas: int = 0):
     """The prim_func for one geometry and config (``threads`` is implied: one producer warpgroup and
     ``BM / 64`` consumers; a value passed must count the consumers or all of them)."""
     import tilelang.language as T
 
     if BM % 64:
         raise ValueError(f"wo_a (tilelang, specialized): BM {BM} is not a multiple of 64")
-    consumers = 128 * (BM // 64)
+    if rope not in ROPE_PLACES:
+        raise ValueError(f"wo_a (tilelang, specialized): rope {rope!r} is not one of {ROPE_PLACES}")
+    consumers = 128 * (BM // 64)  # two threads a row
     if threads and threads not in (consumers, 128 + consumers):
         raise ValueError(f"wo_a (tilelang, specialized): {threads} threads do not fit BM {BM}")
-    bf16 = T.bfloat16
+    RD = rope_dim
+    in_kernel = RD > 0 and rope == "consumers"
+    if RD and rope_reason(rope, RD):
+        raise ValueError(f"wo_a (tilelang, specialized): {rope_reason(rope, RD)}")
+    # the warpgroups share what the launch holds: a consumer ``setmaxnreg.inc`` past it waits forever
+    # (a split of 96 / 208 at 384 threads hung the kernel in run 99)
+    launch_regs = 65536 // (128 + consumers) // 8 * 8
+    if 128 * PRODUCER_REGS + consumers * CONSUMER_REGS > launch_regs * (128 + consumers):
+        raise ValueError(f"wo_a (tilelang, specialized): setmaxnreg {PRODUCER_REGS} / {CONSUMER_REGS} exceeds "
+                         f"the {launch_regs} registers a thread of {128 + consumers} holds (BM {BM})")
+    bf16, f32 = T.bfloat16, T.float32
     M = T.dynamic("M")
     K, N = hpg * d, g * r
-    RD = rope_dim
     chunks = d // BK  # K chunks a head; the last holds the rope dims
     total = hpg * chunks
-    side_cols = g * hpg * BK if RD else 1
+    rope_from = BK - RD
+    ppt = RD // 4  # rope pairs a consumer thread de-rotates (half of its row's)
+    vecs = ppt // 4  # of four pairs (16 bytes) each
+    if in_kernel:
+        cs_shape, cs_dtype = (M, RD), f32
+    else:
+        cs_shape, cs_dtype = (M, g * hpg * BK if RD else 1), bf16
+    col_tiles = N // BN
+    persistent = ctas > 0
 
     @T.prim_func
     def wo_a_specialized_kernel(
         O: T.Tensor((M, g * K), bf16),
         W: T.Tensor((N, K), bf16),
-        CS: T.Tensor((M, side_cols), bf16),  # the de-rotated rope chunks (unread without RoPE)
+        CS: T.Tensor(cs_shape, cs_dtype),  # de-rotated rope chunks, or the cos/sin table (unread without RoPE)
         Z: T.Tensor((M, N), bf16),
     ):
-        with T.Kernel(T.ceildiv(N, BN), T.ceildiv(M, BM), threads=128 + consumers) as (bx, by):
+        with T.Kernel(ctas if persistent else col_tiles * T.ceildiv(M, BM), threads=128 + consumers) as bid:
             a_s = T.alloc_shared((stages, BM, BK), bf16)
             b_s = T.alloc_shared((stages, BN, BK), bf16)
             z_s = T.alloc_shared((BM, BN), bf16)
             loaded = T.alloc_barrier([32] * stages)
             empty = T.alloc_barrier([consumers] * stages)
-            acc = T.alloc_fragment((BM, BN), T.float32)
+            acc = T.alloc_fragment((BM, BN), f32)
+            cs_r = T.alloc_local((max(2 * ppt, 1),), f32)
+            x_r = T.alloc_local((8,), bf16)
+            y_r = T.alloc_local((8,), bf16)
             tx = T.get_thread_binding()
-            grp = bx * BN // r  # this tile's group
+            tiles = col_tiles * T.ceildiv(M, BM)
+            rounds = T.ceildiv(tiles - bid, ctas) if persistent else 1
             if tx < 128:
                 T.set_max_nreg(PRODUCER_REGS, 0)
                 if tx < 32:
-                    for t in T.serial(total):
-                        st = t % stages
-                        if t >= stages:  # use n of a stage waits for the release of use n - 1
-                            T.mbarrier_wait_parity(empty[st], ((t // stages) + 1) % 2)
-                        k0 = (t // chunks) * d + (t % chunks) * BK
-                        if RD > 0 and t % chunks == chunks - 1:
-                            hd = grp * hpg + t // chunks
-                            T.tma_copy(CS[by * BM:(by + 1) * BM, hd * BK:(hd + 1) * BK], a_s[st, :, :],
+                    for it in T.serial(rounds):
+                        tile = bid + it * ctas if persistent else bid
+                        bx = tile % col_tiles
+                        by = tile // col_tiles
+                        grp = bx * BN // r  # this tile's group
+                        for t in T.serial(total):
+                            u = it * total + t  # the stage ring's use count
+                            st = u % stages
+                            if u >= stages:  # use n of a stage waits for the release of use n - 1
+                                T.mbarrier_wait_parity(empty[st], ((u // stages) + 1) % 2)
+                            k0 = (t // chunks) * d + (t % chunks) * BK
+                            if RD > 0 and rope == "tails" and t % chunks == chunks - 1:
+                                hd = grp * hpg + t // chunks
+                                T.tma_copy(CS[by * BM:(by + 1) * BM, hd * BK:(hd + 1) * BK], a_s[st, :, :],
+                                           barrier=loaded[st], leader_scope_threads=32)
+                            else:
+                                T.tma_copy(O[by * BM:(by + 1) * BM, grp * K + k0:grp * K + k0 + BK], a_s[st, :, :],
+                                           barrier=loaded[st], leader_scope_threads=32)
+                            T.tma_copy(W[bx * BN:(bx + 1) * BN, k0:k0 + BK], b_s[st, :, :],
                                        barrier=loaded[st], leader_scope_threads=32)
-                        else:
-                            T.tma_copy(O[by * BM:(by + 1) * BM, grp * K + k0:grp * K + k0 + BK], a_s[st, :, :],
-                                       barrier=loaded[st], leader_scope_threads=32)
-                        T.tma_copy(W[bx * BN:(bx + 1) * BN, k0:k0 + BK], b_s[st, :, :],
-                                   barrier=loaded[st], leader_scope_threads=32)
-                        T.mbarrier_arrive(loaded[st])
+                            T.mbarrier_arrive(loaded[st])
             else:
                 T.set_max_nreg(CONSUMER_REGS, 1)
-                T.clear(acc)
-                for t in T.serial(total):
-                    st = t % stages
-                    T.mbarrier_wait_parity(loaded[st], (t // stages) % 2)
-                    T.wgmma_gemm(a_s[st, :, :], b_s[st, :, :], acc, transpose_B=True,
-                                 policy=T.GemmWarpPolicy.FullRow)
-                    if wait0:
-                        T.wait_wgmma(0)
-                        T.mbarrier_arrive(empty[st])
-                    else:
-                        T.wait_wgmma(1)  # chunk t - 1's wgmma is done: its stage can be refilled
-                        if t > 0:
-                            T.mbarrier_arrive(empty[(t + stages - 1) % stages])
-                T.wait_wgmma(0)
-                T.copy(acc, z_s)
-                T.fence_proxy_async()  # the tile's shared-memory writes, before the TMA store reads them
-                T.sync_threads(1, consumers)
-                T.copy(z_s, Z[by * BM, bx * BN])
+                c = tx - 128
+                row = c // 2  # the row whose rope pairs [p0, p0 + ppt) this thread de-rotates
+                p0 = (c % 2) * ppt
+                for it in T.serial(rounds):
+                    tile = bid + it * ctas if persistent else bid
+                    bx = tile % col_tiles
+                    by = tile // col_tiles
+                    if in_kernel:
+                        live = by * BM + row < M
+                        for q in T.unroll(ppt // 2):  # 16-byte loads (two pairs' cos/sin)
+                            for e in T.vectorized(4):
+                                cs_r[4 * q + e] = T.if_then_else(live, CS[by * BM + row, 2 * p0 + 4 * q + e], 0.0)
+                    T.clear(acc)
+                    for t in T.serial(total):
+                        u = it * total + t
+                        st = u % stages
+                        T.mbarrier_wait_parity(loaded[st], (u // stages) % 2)
+                        if in_kernel and t % chunks == chunks - 1:
+                            for v in T.unroll(vecs):  # 16-byte pieces (four pairs) of this thread's pairs
+                                j = rope_from + 2 * p0 + 8 * v
+                                for e in T.vectorized(8):
+                                    x_r[e] = a_s[st, row, j + e]
+                                for q in T.unroll(4):
+                                    c0 = cs_r[8 * v + 2 * q]
+                                    s0 = cs_r[8 * v + 2 * q + 1]
+                                    x0 = T.cast(x_r[2 * q], f32)
+                                    x1 = T.cast(x_r[2 * q + 1], f32)
+                                    y_r[2 * q] = T.cast(x0 * c0 + x1 * s0, bf16)
+                                    y_r[2 * q + 1] = T.cast(x1 * c0 - x0 * s0, bf16)
+                                for e in T.vectorized(8):
+                                    a_s[st, row, j + e] = y_r[e]
+                            T.fence_proxy_async()  # the stage's new values, before the wgmma reads them
+                            T.sync_threads(2 + c // 128, 128)  # this warpgroup's rows are all de-rotated
+                        T.wgmma_gemm(a_s[st, :, :], b_s[st, :, :], acc, transpose_B=True,
+                                     policy=T.GemmWarpPolicy.FullRow)
+                        if wait0:
+                            T.wait_wgmma(0)
+                            T.mbarrier_arrive(empty[st])
+                        else:
+                            T.wait_wgmma(1)  # the previous chunk's wgmma is done: its stage can be refilled
+                            if t > 0:
+                                T.mbarrier_arrive(empty[(u + stages - 1) % stages])
+                    T.wait_wgmma(0)
+                    if not wait0 and persistent:  # the tile's last stage (a non-persistent CTA just exits)
+                        T.mbarrier_arrive(empty[(it * total + total - 1) % stages])
+                    if persistent:
+                        T.sync_threads(1, consumers)  # the last tile's TMA store has read z_s
+                    T.copy(acc, z_s)
+                    T.fence_proxy_async()  # the tile's shared-memory writes, before the TMA store reads them
+                    T.sync_threads(1, consumers)
+                    T.copy(z_s, Z[by * BM, bx * BN])
 
     return wo_a_specialized_kernel
