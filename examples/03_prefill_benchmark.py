@@ -117,8 +117,8 @@ def inputs(cfg, m, dev, seed=1):
     return h, pre, pos, cu
 
 
-def time_ms(fn, dev, reps):
-    for _ in range(2):
+def time_ms(fn, dev, reps, warmup=2):
+    for _ in range(warmup):
         fn()
     if dev.type != "cuda":
         t = time.perf_counter()
@@ -137,14 +137,15 @@ def time_ms(fn, dev, reps):
 GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm")
 
 
-def breakdown_ms(fn, dev) -> dict[str, float]:
+def breakdown_ms(fn, dev, warmup=True) -> dict[str, float]:
     """Milliseconds per call by kind (profiler, one call): each fused family's ``dsv41::`` ops and
     the library GEMMs (``aten::mm`` and kin)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = dev.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    fn()
+    if warmup:
+        fn()
     with profile(activities=acts) as prof:
         fn()
         if cuda:
@@ -227,14 +228,16 @@ def main() -> None:
     if args.dry_run:
         dev = torch.device("cpu")
         cfg = DeepseekV41Config.tiny(n_routed_experts=4, num_experts_per_tok=2)
-        args.ms, args.layers, args.reps, first = [40, 24][: len(args.ms) if len(args.ms) < 3 else 2], 1, 2, 0
+        args.ms, args.layers, args.reps, first = [40, 24][: len(args.ms) if len(args.ms) < 3 else 2], 1, 1, 0
         max_tokens = 64
+        warmup = 0  # each backend's first call (timed apart) is the warm-up: every interpreted call costs seconds
     else:
         if not torch.cuda.is_available():
             sys.exit("needs a GPU (or --dry-run)")
         dev = torch.device("cuda")
         cfg = DeepseekV41Config.flash(tp_size=4, n_routed_experts=8, max_position_embeddings=max(args.ms))
         first, max_tokens = 2, max(args.ms)
+        warmup = 2
     torch.set_grad_enabled(False)
     rows, fams, checks, breakdown = [], {}, {}, {}
     models = {scope: build(cfg, args.layers, first, max_tokens, dev, scope == "outside") for scope in ("layer", "outside")}
@@ -253,8 +256,8 @@ def main() -> None:
                 t0 = time.perf_counter()
                 outs[(b, s)] = fn(*x)[0].float()
                 first_call = time.perf_counter() - t0
-                ms = time_ms(lambda: fn(*x), dev, args.reps) / args.layers
-                parts = {k: v / args.layers for k, v in breakdown_ms(lambda: fn(*x), dev).items()}
+                ms = time_ms(lambda: fn(*x), dev, args.reps, warmup) / args.layers
+                parts = {k: v / args.layers for k, v in breakdown_ms(lambda: fn(*x), dev, warmup > 0).items()}
                 breakdown.setdefault(f"{b} {s}", {})[str(m)] = parts
                 if b == "dsv41" and s == "layer":
                     fams[str(m)] = {k: v for k, v in parts.items() if k in ("mhc", "rope_store", "wo_a")}

@@ -1,6 +1,6 @@
 """A toy serving loop: packed prefill, then greedy decode steps, one compiled graph for every batch size.
 
-    python examples/05_serve_loop.py [--batch-invariant]
+    python examples/05_serve_loop.py [--batch-invariant] [--steps N] [--new-tokens A B C]
 
 Each step packs whatever sequences are active into one token dimension; the
 compiled graph serves every token count (M = 1 gets its own graph once).
@@ -20,6 +20,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch-invariant", action="store_true")
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--new-tokens", type=int, nargs=3, default=[3, 5, 7], metavar=("A", "B", "C"),
+                    help="tokens each of the three sequences decodes (at most --steps)")
     args = ap.parse_args()
     cfg = DeepseekV41Config.tiny()
     model = DeepseekV41ForCausalLM(cfg, max_num_tokens=1024, max_num_seqs=8).eval()
@@ -34,7 +36,7 @@ def main() -> None:
     logits = fast(ids, pos, cu, torch.arange(len(prompts)))  # sequence b lives in cache slot b
     nxt = [logits[e - 1].argmax().item() for e in cu[1:].tolist()]
     for step in range(args.steps):
-        active = [b for b in range(len(seqs)) if step < 3 + 2 * b]  # sequences finish at different steps
+        active = [b for b in range(len(seqs)) if step < args.new_tokens[b]]  # sequences finish at different steps
         for b in active:
             seqs[b].append(nxt[b])
         ids = torch.tensor([nxt[b] for b in active])

@@ -17,7 +17,8 @@ cmd=${1:-demo}
 shift || true
 case "$cmd" in
   demo) exec .venv/bin/python -m dsv41_passes inspect --model tiny "$@" ;;
-  # one worker per core, at most TEST_JOBS (default 2: the interpreter tests are single-threaded)
-  test) exec .venv/bin/python -m pytest -q -n "$(.venv/bin/python -c "import os; print(min(len(os.sched_getaffinity(0)), int(os.environ.get('TEST_JOBS', 2))))")" "$@" ;;
+  # one worker per core, at most TEST_JOBS (default 2: the interpreter tests are single-threaded);
+  # worksteal: an idle worker takes tests still queued on the other (the slow model tests come last)
+  test) exec .venv/bin/python -m pytest -q -n "$(.venv/bin/python -c "import os; print(min(len(os.sched_getaffinity(0)), int(os.environ.get('TEST_JOBS', 2))))")" --dist worksteal "$@" ;;
   *) echo "usage: bash scripts/run.sh {demo|test} [args]" >&2; exit 2 ;;
 esac

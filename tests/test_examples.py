@@ -67,7 +67,9 @@ def test_04_load_checkpoint():
 
 @pytest.mark.slow
 def test_05_serve_loop_one_graph_per_token_regime():
-    out = _run("05_serve_loop.py")
+    # the three sequences finish after 1, 2 and 3 decode steps: M = 3 then 2 (the prefill's graph) then 1
+    out = _run("05_serve_loop.py", "--steps", "3", "--new-tokens", "1", "2", "3")
+    assert re.findall(r"^step \d+: (\d+) active", out, re.M) == ["3", "2", "1"], out[-2000:]
     assert "Dynamo graphs compiled: 2 " in out, out[-2000:]
     decode = re.search(r"decode graph \(M = 1\) rewrote: (\{.*\})", out).group(1)
     assert "'wo_a': 2" in decode and "'q_rope_store': 2" in decode, decode

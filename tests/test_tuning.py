@@ -132,7 +132,14 @@ def test_warmup_without_tactics_compiles_what_untuned_calls_run(monkeypatch):
     from dsv41_passes.reference import DeepseekV41Config
 
     monkeypatch.setenv("DSV41_TACTICS", "off")
+    # one bucket of each untuned regime up to 128 (every interpreted bucket costs seconds): WO-A's split-K
+    # decode config (M <= 16), its 32-row (<= 64) and 64-row (<= 512) tiles; mHC's 16-row blocks (<= 64) and
+    # mhc_pre's small-row finish (65 ... 128)
+    kept, real = (1, 32, 128), tuning.buckets
+    monkeypatch.setattr(tuning, "buckets", lambda *a, **kw: [b for b in real(*a, **kw) if b in kept])
     chosen = dp.warmup(DeepseekV41Config.tiny(), max_tokens=128, device="cpu", progress=False)
+    assert all(set(v) == set(kept) for v in chosen.values()), chosen
     assert chosen["wo_a"] == {b: tk.default_config(b) for b in chosen["wo_a"]}
+    assert len({repr(cfg) for cfg in chosen["wo_a"].values()}) == len(kept)  # a config of its own per bucket
     assert any(cfg != tk.BATCH_INVARIANT_CONFIG for cfg in chosen["wo_a"].values())
     assert tuning.entries() == {}

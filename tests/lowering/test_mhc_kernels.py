@@ -271,20 +271,24 @@ def test_configs_do_not_change_bits():
 @pytest.mark.parametrize("weight", ["w", None])
 def test_finish_kernel_gives_the_last_arriver_bits(weight):
     """``finish="kernel"`` (the reduction and the norm as a second launch, spread over column parts)
-    computes exactly what the last slice program of each row block computes; 150 rows = 2 row blocks,
-    each normalized in 2 column parts on CPU (more on a GPU)."""
+    computes exactly what the last slice program of each row block computes; 130 rows = 2 row blocks (the
+    second a partial one of 2 rows), each normalized in 2 column parts on CPU (more on a GPU)."""
     from dsv41_passes.lowering.triton.mhc_projection import _finish_parts, _norm_block
 
     assert _finish_parts(D, _norm_block(D, 128)) >= 2
-    t = make_inputs(150, D, seed=9)
-    # 2 row blocks (one column block a normalizing program) and 10 row blocks (<= 16 column parts)
-    # and the row-major norm layout of prefill sizes (``norm_rows`` rows a program; 150 is no multiple of 4)
+    t = make_inputs(130, D, seed=9)
+    # 2 row blocks (one column block a normalizing program) and 9 row blocks (the wide layouts)
+    # and the row-major norm layout of prefill sizes (``norm_rows`` rows a program; 130 is no multiple of 4).
+    # ``norm_rows`` only places the norm programs: an op without a norm (the stats; pre and boundary without
+    # a weight) has the one kernel layout, and the stats (no weight) run in the "w" case only.
+    ops = [("pre", lambda **kw: pre_op(t, weight, **kw)), ("boundary", lambda **kw: boundary_op(t, weight, **kw))]
+    if weight:
+        ops.insert(0, ("stats", lambda **kw: stats(t, **kw)))
     for last in (dict(BLOCK_M=128, num_warps=4, num_stages=1), dict(BLOCK_M=16, num_warps=1, num_stages=1)):
-        for name, fn in (("stats", lambda **kw: stats(t, **kw)), ("pre", lambda **kw: pre_op(t, weight, **kw)),
-                         ("boundary", lambda **kw: boundary_op(t, weight, **kw))):
-            want = fn(config=last)  # the last-arriver outputs, once for the three finish layouts
-            for kern in (dict(last, finish="kernel"), dict(last, finish="kernel", norm_rows=4),
-                         dict(last, finish="kernel", norm_rows=16)):
+        for name, fn in ops:
+            want = fn(config=last)  # the last-arriver outputs, once for the finish layouts
+            rows = (None, 4, 16) if weight and name != "stats" else (None,)
+            for kern in (dict(last, finish="kernel", **({"norm_rows": r} if r else {})) for r in rows):
                 for i, (a, b) in enumerate(zip(want, fn(config=kern))):
                     assert_equal(a, b, f"{name} output {i} {kern}")
 
