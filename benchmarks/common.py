@@ -110,6 +110,12 @@ def time_ms(fn: Callable[[], Any], graph: bool = True, reps: int = 30, inner: in
     torch.cuda.synchronize()
     if not graph:
         return _median_ms(fn, reps)
+    g, n = _sized_graph(fn, inner)
+    return _median_ms(g.replay, reps) / n
+
+
+def _sized_graph(fn: Callable[[], Any], inner: int | None = None) -> tuple["torch.cuda.CUDAGraph", int]:
+    """``fn`` (already warmed up) captured ``n`` times back to back, and ``n`` (see ``time_ms``)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -121,8 +127,7 @@ def time_ms(fn: Callable[[], Any], graph: bool = True, reps: int = 30, inner: in
         # overhead would shrink n and leave the graph launch (several us) on each small call
         est = _median_ms(_capture(fn, 1).replay, 5)
         n = max(1, min(200, int(1.0 / max(est, 1e-3))))
-    g = _capture(fn, n)
-    return _median_ms(g.replay, reps) / n
+    return _capture(fn, n), n
 
 
 def time_interleaved(fns: dict[str, Callable[[], Any]], rounds: int = 8, reps: int = 5) -> dict[str, tuple]:
@@ -134,9 +139,7 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], rounds: int = 8, reps: i
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
-        est = _median_ms(_capture(fn, 1).replay, 5)
-        n = max(1, min(200, int(1.0 / max(est, 1e-3))))
-        graphs[name] = (_capture(fn, n), n)
+        graphs[name] = _sized_graph(fn)
     seen: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, (g, n) in graphs.items():

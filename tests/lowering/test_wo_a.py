@@ -518,7 +518,8 @@ def test_gpu_tilelang_one_loop_configs(tp):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tp", sorted(TP_SHAPES))
 def test_gpu_tilelang_specialized_gives_the_one_loop_bits(tp):
-    """The written-out pipeline fed the de-rotated rope chunks: the 128 x 256 one-loop kernel's bits, every M."""
+    """The written-out pipeline, its rope chunks de-rotated beforehand or by its consumers, persistent or not: the
+    128 x 256 one-loop kernel's bits, every M."""
     from dsv41_passes.lowering.tilelang import wo_a as tw
 
     _, _, g, _, rd = TP_SHAPES[tp]

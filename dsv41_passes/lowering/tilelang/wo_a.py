@@ -31,6 +31,7 @@ M is ``T.dynamic``: one binary per config serves every token count. nvcc runs wi
 # No ``from __future__ import annotations``: TileLang evaluates the prim_func annotations,
 # which name this module's closure variables.
 
+import functools
 import threading
 from typing import Any
 
@@ -375,9 +376,12 @@ def _tile_args(cfg: dict) -> dict:
 
 def sm_count() -> int:
     """CTAs of a persistent kernel: the current device's SMs (an H200's 132 without a GPU)."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return 132
+    return _sms(torch.cuda.current_device()) if torch.cuda.is_available() else 132
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(device: int) -> int:  # asked at every call (the kernel cache's key): once a device
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def derotates_beforehand(cfg: dict, rope_dim: int) -> bool:
