@@ -2,14 +2,18 @@
 
     source .devsite/setup.sh && python3 benchmarks/probe_wo_a_specialized.py [--m 65536 4096] [--tp 4] [--rounds 8]
 
-For each M: the TileLang default and each specialized config, with the rope chunks de-rotated beforehand
+For each M above 1024: the TileLang default and each specialized config, with the rope chunks de-rotated beforehand
 by ``triton.wo_a.rope_tails`` (timed inside the call) or by the consumer warpgroups, persistent or not;
-then the same without RoPE, ``rope_tails`` alone and cuBLAS bmm on a pre-transposed input. A row gives
+then the same without RoPE, ``rope_tails`` alone and cuBLAS bmm on a pre-transposed input. At M <= 1024:
+the default and the one-loop 128-row kernel with 128 or 64 columns, split over K in 1, 2, 4 or 8 parts. A row gives
 the bits against the default (the same bits are expected: the same K order, wgmma shape and rounding),
 the error against the reference and the CUDA-graph time, median and minimum over ``rounds`` rounds that
 time every variant in turn (this device's speed drifts by up to ~10% over a run, which timing the
 variants one after another put on some of them only). Run 100's log has this probe with two more
-variants (rope chunks de-rotated by two producer warps), since dropped.
+variants (rope chunks de-rotated by two producer warps), runs 102-104's with ``rope="early"`` (each head's
+rope chunk in a buffer of its own, de-rotated by the consumers during an earlier chunk) and its diagnostic
+builds (no proxy fence, no barrier, no de-rotation, no cos/sin loads, the warpgroups de-rotating at different
+chunks), all since dropped.
 """
 
 from __future__ import annotations
@@ -28,9 +32,11 @@ _BASE = dict(BM=128, BN=256, BK=64, stages=3, specialized=True)
 SPECIALIZED = [
     _BASE,
     dict(_BASE, persistent=True),
-    dict(_BASE, rope="consumers"),
     dict(_BASE, rope="consumers", persistent=True),
 ]
+# decode sizes (M <= 1024): the one-loop 128 x 128 kernel (``wo_a._DECODE``) split over K or not, and with
+# 64-column tiles
+DECODE = [dict(BN=bn, SPLIT=s) for bn in (128, 64) for s in (1, 2, 4, 8)]
 
 
 def _bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -38,6 +44,8 @@ def _bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _name(c: dict) -> str:
+    if c.get("one_loop"):
+        return f"one-loop BN={c['BN']} split={c.get('SPLIT', 1)}"
     return ",".join(f"{k}={v}" for k, v in c.items() if k not in _BASE) or "tails"
 
 
@@ -48,11 +56,16 @@ def probe(m: int, tp: int, rounds: int) -> list[tuple]:
     o, w, cos, sin, (h, d, g, r, rd) = wo_a_probe_inputs(m, tp)
     ref = torch.ops.dsv41.wo_a(o, w, cos, sin, rd, "reference", 0).float()
     flops = 2 * m * g * r * (h // g) * d
-    default = tw.default_config(m)
+    default = tw.default_config(m, g * r, h // g)
     base = {rd: tw.wo_a(o, w, cos, sin, rd, batch_invariant=False, config=default),
             0: tw.wo_a(o, w, None, None, 0, batch_invariant=False, config=default)}
-    variants = [("default", default, rd)] + [("specialized " + _name(c), c, rd) for c in SPECIALIZED]
-    variants += [("no rope, default", default, 0), ("no rope, specialized persistent", dict(_BASE, persistent=True), 0)]
+    variants = [("default", default, rd)]
+    if m > 1024:
+        variants += [("specialized " + _name(c), c, rd) for c in SPECIALIZED]
+        variants += [("no rope, default", default, 0),
+                     ("no rope, specialized persistent", dict(_BASE, persistent=True), 0)]
+    else:
+        variants += [(_name(c), c, rd) for c in (dict(tw._DECODE, **d_) for d_ in DECODE)]
     fns, notes = {}, {}
     for name, cfg, rdim in variants:
         c_, s_ = (cos, sin) if rdim else (None, None)

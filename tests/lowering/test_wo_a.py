@@ -230,11 +230,13 @@ def test_rope_tails_compiles_for_sm90():
 
 
 def test_tilelang_launch_config():
-    """Above M = 4096 the written-out pipeline; where the tails pass cannot tile the heads, the one-loop
-    kernel with the same bits; BN / BK clipped to the shape either way."""
+    """From M = 2048 the written-out pipeline (its consumers de-rotating up to 4096); where the tails pass cannot
+    tile the heads, the one-loop kernel with the same bits; BN / BK clipped to the shape either way."""
     from dsv41_passes.lowering.tilelang import wo_a as tw
 
-    assert tw.default_config(4096) == tw.BATCH_INVARIANT_CONFIG and tw.default_config(4097) == tw.SPECIALIZED_CONFIG
+    assert tw.default_config(2047) == tw.BATCH_INVARIANT_CONFIG
+    assert tw.default_config(2048) == tw.default_config(4096) == tw.SPECIALIZED_CONSUMERS_CONFIG
+    assert tw.default_config(4097) == tw.SPECIALIZED_CONFIG
     assert tw.launch_config(tw.SPECIALIZED_CONFIG, 16, 512, 1024, 64) == dict(tw.SPECIALIZED_CONFIG, BN=256, BK=64)
     assert tw.launch_config(tw.SPECIALIZED_CONFIG, 16, 512, 1024, 0) == dict(tw.SPECIALIZED_CONFIG, BN=256, BK=64)
     assert tw.launch_config(tw.SPECIALIZED_CONFIG, 12, 512, 96, 64) == dict(tw.BATCH_INVARIANT_CONFIG, BN=32, BK=64)
@@ -245,6 +247,21 @@ def test_tilelang_launch_config():
     assert tw.launch_config(cons, 16, 512, 1024, 24)["rope"] == "tails"
     assert tw.derotates_beforehand(tw.launch_config(cons, 16, 512, 1024, 24), 24)
     assert not tw.derotates_beforehand(tw.launch_config(cons, 16, 512, 1024, 64), 64)
+
+
+def test_tilelang_decode_split_fills_one_wave():
+    """M <= 128: 64-column tiles, K split over whole heads into the most parts (a power of two, <= 8) whose grid
+    stays within one wave; without the geometry, the per-bucket table."""
+    from dsv41_passes.lowering.tilelang import wo_a as tw
+
+    assert tw.default_config(128, 2048, 8) == dict(tw._DECODE, BN=64, SPLIT=4)  # TP4: 32 x 4 CTAs on 132 SMs
+    assert tw.default_config(1, 2048, 8)["SPLIT"] == 4
+    assert tw.default_config(128, 8192, 8)["SPLIT"] == 1  # TP1: 128 column tiles fill the SMs already
+    assert tw.decode_config(100, 1024, 8, 132)["SPLIT"] == 8  # 16 x 8
+    assert tw.decode_config(100, 1024, 2, 132)["SPLIT"] == 2  # no more parts than heads
+    assert tw.decode_config(100, 2048, 8, 64)["SPLIT"] == 2  # a smaller GPU
+    assert tw.default_config(129, 2048, 8) == tw.default_config(129) == dict(tw._DECODE, SPLIT=4)
+    assert tw.default_config(128) == dict(tw._DECODE, SPLIT=8)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="tilelang is not installed")
@@ -368,19 +385,19 @@ bn, bk = tw._tiles(tw.BATCH_INVARIANT_CONFIG, d, r, rd)
 kernel = tw.compile_kernel(g, r, hpg, d, rd, dict(tw.BATCH_INVARIANT_CONFIG, BN=bn, BK=bk))  # nvcc, sm_90a
 out["batch_invariant"] = kernel.get_kernel_source()
 bn, bk = tw._tiles(tw.default_config(1), d, r, rd)
-out["decode"] = tw.lower_source(g, r, hpg, d, rd, dict(tw.default_config(1), BN=bn, BK=bk))  # codegen only
+out["decode"] = tw.lower_source(g, r, hpg, d, rd, tw.launch_config(tw.default_config(1, g * r, hpg), hpg * g, d, r, rd))
 one_loop = [c for c in tw.CANDIDATES[tw.TACTIC_OP] if c.get("one_loop")]
 big = max(one_loop, key=lambda c: (c["BM"] * c["BN"], c["stages"]))
 out["one_loop"] = tw.compile_kernel(g, r, hpg, d, rd, big).get_kernel_source()  # nvcc, sm_90a
-bn, bk = tw._tiles(tw.default_config(4096), d, r, rd)
-out["prefill_default"] = tw.compile_kernel(g, r, hpg, d, rd, dict(tw.default_config(4096), BN=bn, BK=bk)
+bn, bk = tw._tiles(tw.default_config(2047), d, r, rd)
+out["prefill_default"] = tw.compile_kernel(g, r, hpg, d, rd, dict(tw.default_config(2047), BN=bn, BK=bk)
                                            ).get_kernel_source()  # nvcc, sm_90a
 for rope in (rd, 0):  # the default above M = 4096, with and without the inverse RoPE
     bn, bk = tw._tiles(tw.default_config(65536), d, r, rope)
     out[f"specialized_rd{rope}"] = tw.compile_kernel(g, r, hpg, d, rope, dict(tw.default_config(65536), BN=bn, BK=bk)
                                                      ).get_kernel_source()  # nvcc, sm_90a
-cons = tw.launch_config(dict(tw.SPECIALIZED_CONFIG, rope="consumers"), hpg * g, d, r, rd)
-out["specialized_consumers"] = tw.lower_source(g, r, hpg, d, rd, cons)  # codegen only
+cons = tw.launch_config(tw.default_config(4096), hpg * g, d, r, rd)  # the default from M = 2048 to 4096
+out["specialized_consumers"] = tw.compile_kernel(g, r, hpg, d, rd, cons).get_kernel_source()  # nvcc, sm_90a
 out["specialized_one_pass"] = tw.lower_source(g, r, hpg, d, rd, dict(cons, persistent=False))
 regs = max((c for c in one_loop if c.get("rope_regs")), key=lambda c: (c["BM"] * c["BN"], c["stages"]))
 out["one_loop_rope_regs"] = tw.compile_kernel(g, r, hpg, d, rd, regs).get_kernel_source()  # nvcc, sm_90a
@@ -459,7 +476,9 @@ def test_tilelang_compiles_for_sm90a(tmp_path):
 
 # ------------------------------------------------------------------ GPU
 TP_SHAPES = {"tp4": (16, 512, 2, 1024, 64), "tp1": (64, 512, 8, 1024, 64)}  # (H, D, G, R, rope_dim)
-GPU_M = (1, 7, 130, 300, 1000, 4096, 4097)  # every default bucket: split-K 8 / 4 / 2 parts, 128 x 128, 128 x 256
+# every default bucket: split-K over 64-column tiles, 8 / 4 / 2 parts of 128 x 128, 128 x 128, 128 x 256, the
+# written-out pipeline with its consumers de-rotating (2048-4096) and with the rope pass (above)
+GPU_M = (1, 7, 130, 300, 1000, 2048, 4096, 4097)
 
 
 @pytest.mark.gpu

@@ -17,10 +17,10 @@ warp-specialized loop over every chunk instead: the rope chunk is de-rotated in 
 its pipeline stage, and the tile is split between warpgroups by rows, so a 128 x 256 tile
 issues wgmma m64n256k16 with four 48 KiB stages (192 KiB of shared memory).
 
-``wo_a_specialized`` (configs with ``specialized=True``, the default above M = 4096, persistent there)
+``wo_a_specialized`` (configs with ``specialized=True``, the default from M = 2048, persistent there)
 computes the same product with the pipeline written out; its rope chunks are de-rotated beforehand by
-``triton.wo_a.rope_tails``, so its loop is a plain GEMM (the same bits as the one-loop kernel), or with
-``rope="consumers"`` by its consumer warpgroups.
+``triton.wo_a.rope_tails``, so its loop is a plain GEMM (the same bits as the one-loop kernel; above M = 4096),
+or with ``rope="consumers"`` by its consumer warpgroups (M 2048 to 4096).
 
 The rope table is read as ``cs [M, RD]`` fp32 with cos/sin interleaved per pair
 (``view_as_real`` of the complex table, so the model's spelling needs no copy).
@@ -65,6 +65,7 @@ CANDIDATES: dict[str, list[dict]] = {
         dict(BM=128, BN=256, BK=64, stages=s, threads=256, one_loop=True, cs_regs=True) for s in (3, 4)
     ]
     + [dict(_DECODE, SPLIT=s) for s in (2, 4, 8)]  # split-K (decode sizes)
+    + [dict(_DECODE, BN=64, SPLIT=s) for s in (1, 2, 4)]  # the same with 64-column tiles (``decode_config``)
     # the tile leaves through shared memory (TMA store); 128 x 128 x 3 stages with or without it measured
     # 2.39-2.51 ms at 65536 against 1.73 for this one (run26-quick_check-wo_a.log) and were dropped
     + [dict(BM=128, BN=256, BK=64, stages=3, threads=256, one_loop=True, cs_regs=True, epi_smem=True)]
@@ -89,23 +90,46 @@ BATCH_INVARIANT_CONFIG = dict(BM=128, BN=256, BK=64, stages=3, threads=256, one_
 # RoPE 1.502 vs 1.614 at 65536 (cuBLAS 1.498). The pipeline written out, not persistent, against the one-loop
 # kernel: run94-probe_wo_a_specialized.log.
 SPECIALIZED_CONFIG = dict(BM=128, BN=256, BK=64, stages=3, specialized=True, persistent=True)
+# 2048 <= M <= 4096 (outside batch-invariant mode): the same, its consumer warpgroups de-rotating the rope chunks
+# (a separate pass costs more there than in the kernel); the same bits again. run102-probe_wo_a_specialized.log
+# (medians of 6 interleaved rounds, ms): 0.0541 vs 0.0582 (BATCH_INVARIANT_CONFIG) and 0.0582 (rope chunks
+# de-rotated beforehand) at 2048, 0.0956 vs 0.1031 / 0.0977 at 3072, 0.1067 vs 0.1168 / 0.1077 at 4096.
+SPECIALIZED_CONSUMERS_CONFIG = dict(SPECIALIZED_CONFIG, rope="consumers")
 # Untuned defaults by token count (upper M, config), from benchmarks/results/run27-quick_check-wo_a-small.log
 # and run26 (H200): split-K with 128 x 128 tiles for decode sizes (11.8 / 15.9 / 22.5 us at M = 128 / 256 /
 # 512 where the 64 x 64 one-loop kernel took 27.4 / 28.1 / 55.3), 128 x 128 up to 1024 (31.4 vs 112 us),
-# 128 x 256 with the tile stored through shared memory up to 4096 (0.0997 vs 0.106 ms at 4096, 1.73 vs 1.80
-# at 65536), SPECIALIZED_CONFIG above. M <= 16 (outside batch-invariant mode) runs the Triton split-K kernel
+# 128 x 256 with the tile stored through shared memory up to 2047 (0.0997 vs 0.106 ms at 4096, 1.73 vs 1.80
+# at 65536), SPECIALIZED_CONSUMERS_CONFIG up to 4096 and SPECIALIZED_CONFIG above. M <= 128 with the geometry
+# known: ``decode_config``. M <= 16 (outside batch-invariant mode) runs the Triton split-K kernel
 # (``triton.wo_a``).
 DEFAULTS: list[tuple[int, dict]] = [
     (128, dict(_DECODE, SPLIT=8)),
     (256, dict(_DECODE, SPLIT=4)),
     (512, dict(_DECODE, SPLIT=2)),
     (1024, _DECODE),
-    (4096, BATCH_INVARIANT_CONFIG),
+    (2047, BATCH_INVARIANT_CONFIG),
+    (4096, SPECIALIZED_CONSUMERS_CONFIG),
 ]
+DECODE_MAX_M = 128
 
 
-def default_config(m: int) -> dict:
-    """Untuned choice by token count (see ``DEFAULTS``)."""
+def decode_config(m: int, n: int, hpg: int, sms: int) -> dict:
+    """M <= 128: 64-column tiles, K split over whole heads into the most parts (a power of two, at most 8) that
+    keep the grid within one wave of ``sms`` CTAs. run103-probe_wo_a_decode-tp4.log / -tp1.log (us, medians of
+    6 interleaved rounds) at M = 128: TP4 (N 2048, 8 heads a group) 11.0 with 4 parts against 11.8 for the 128 x
+    128 tiles in 8 parts (cuBLAS 8.9); TP1 (N 8192) 29.8 with 1 part against 51.2 (cuBLAS 22.8)."""
+    tiles = (n // 64) * -(-m // 128)
+    parts = 1
+    while parts < 8 and hpg % (2 * parts) == 0 and tiles * 2 * parts <= sms:
+        parts *= 2
+    return dict(_DECODE, BN=64, SPLIT=parts)
+
+
+def default_config(m: int, n: int | None = None, hpg: int | None = None) -> dict:
+    """Untuned choice by token count (see ``DEFAULTS``); with the geometry (``n = G*R`` output columns, ``hpg``
+    heads a group) given, ``decode_config`` at M <= 128."""
+    if m <= DECODE_MAX_M and n is not None and hpg is not None:
+        return decode_config(m, n, hpg, sm_count())
     for upper, cfg in DEFAULTS:
         if m <= upper:
             return dict(cfg)
@@ -439,7 +463,7 @@ def wo_a(
     if m == 0:
         return z
     if config is None:
-        default = BATCH_INVARIANT_CONFIG if batch_invariant else default_config(m)
+        default = BATCH_INVARIANT_CONFIG if batch_invariant else default_config(m, n, h // g)
         op, key = tactic_key(o, weight, rd)
         config = tactic(op, m, key, default, batch_invariant=batch_invariant)
     cfg = launch_config(config, h, d, r, rd)
