@@ -78,11 +78,13 @@ def test_kernel_rejects_what_it_cannot_run():
     assert tlp.groups_for(132) == 8 and tlp.groups_for(114) == 7 and tlp.groups_for(8) == 1
 
 
-@pytest.mark.parametrize("name", ["wg1", "wg2"])
+@pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer"])
 def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     """The sm_90a build: one wgmma shape (m64n24k16, the 24 mix columns unpadded), rounding spelled out
     (no contraction: nvcc --fmad=false and explicit __f*_rn), the residual loads by TMA with the
-    evict-first hint, no register spills, and the shared memory within the 227 KiB an SM gives a block."""
+    evict-first hint, no register spills, and the shared memory within the 227 KiB an SM gives a block.
+    With a producer warpgroup: warp 0 alone issues the copies, each stage's reuse waits for the consumers'
+    release, and after the set-up no barrier takes the whole CTA."""
     pytest.importorskip("tilelang")
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not installed: TileLang cannot build the sm_90a cubin")
@@ -90,8 +92,16 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     from dsv41_passes.lowering.tilelang import mhc_pre as tlp
 
     cfg = tlp.CONFIGS[name]
-    k = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, cfg["stages"], cfg["wgs"]))
+    producer = cfg.get("producer", False)
+    k = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, cfg["stages"], cfg["wgs"], producer=producer), producer)
     src = k.get_kernel_source()
+    if producer:
+        assert src.count("__syncthreads()") == 1  # the barriers' initialization
+        assert "if (((int)threadIdx.x) < 32) {" in src and "tl_shuffle_elect<32>" in src
+        assert "tl_shuffle_elect<128>" not in src and "tl_shuffle_elect<256>" not in src
+        assert f"empty[(q & {cfg['stages'] - 1})].wait(" in src and "].arrive();" in src
+        # two consumer warpgroups (384 threads) need registers moved to them; one (256) has them already
+        assert ("warpgroup_reg_alloc<240>" in src) == (cfg["wgs"] == 2)
     shapes = set(re.findall(r"wgmma_ss<[^>]*kFloat32, (\d+), (\d+), (\d+),", src))
     assert shapes == {("64", "24", "16")}, shapes
     assert src.count("wgmma_ss<") == 12  # 4 streams x (hi, mid, lo) a step
@@ -129,7 +139,7 @@ def _skip_without_tilelang():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["wg1", "wg2"])
+@pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer"])
 @pytest.mark.parametrize("m", [1, 4096, 4097, 65536])
 def test_gpu_matches_the_triton_kernel(m, name):
     """x, pre, post and comb against the Triton mhc_pre; bitwise is the goal (same numerics, n24 instead

@@ -1,90 +1,23 @@
 """TileLang ``mhc_pre`` for prefill sizes (sm_90a): one persistent kernel, one read of the residual, the
-collapse + RMSNorm written to HBM once. Off by default (``lowering.mhc.TILELANG_PRE_MIN_M``): it gives the
-Triton kernel's bits, but on the H200 it measured 10-20% slower (runs 40-45, ``docs/performance.md``).
-
-Why a second kernel beside the Triton one: that kernel reloads its K slice's weight parts from L2 for
-every 64-row block (1.5 times the bytes of the residual tile: L2 73% busy in run 33) and writes the
-un-normalized collapse, which a second launch reads and rewrites (20 KB a token on top of the 50 that
-have to move). Here:
-
-* CTA ``(g, s)`` (``groups * 16`` of them, at most one per SM) owns K slice ``s`` and walks row blocks
-  ``g, g + groups, ...``. The slice's ``hi`` and ``mid`` parts (``[4, 24, D/16]`` bf16 each, 120 KiB)
-  are loaded into shared memory once; the ``lo`` part and the residual come in by TMA, four stages
-  deep, one (chunk, 4 streams) step a stage. The pipeline is written out (mbarriers; one warpgroup
-  computes and its elected thread issues the copies).
-* The projection is ``wgmma m64n24k16``: the mix columns are not padded to 32 (TileLang splits an
-  N of 24 into n8 atoms; ``_n24`` lets it emit the one instruction). 12 wgmma groups a step run
-  asynchronously beside the sums of squares and the collapse, which read the same shared tiles.
-* The collapse of a row block is written un-normalized (it should stay in L2: the residual is loaded
-  evict-first) and the CTA publishes its slice partials at the block's end: mixes and sums of squares
-  in the Triton finish kernel's layout, the norm's sum of squares last, into a buffer filled with
-  ``SENTINEL`` before the launch. ``LAG`` row blocks later it polls the 16 slices' norm partials of
-  its rows (relaxed loads; those values are the only data it reads from other CTAs, so no fence or
-  counter is needed), and normalizes one chunk of its own slice per step: the chunk it loads at the top
-  of a step (the values this thread wrote) is rescaled and stored at the bottom.
-* The stats (ordered slice sum, rsqrt, sigmoids, Sinkhorn) are the Triton finish kernel, run next on
-  the partials.
-
-Numerics are the Triton projection kernel's (``triton.mhc`` docstring, split 1): the same K slices,
-chunks, stream order, fresh hi dot per (chunk, stream) added in fp32, mid/lo MMA chains over the slice,
-``(hi + mid) + lo``, per-position ``fma`` sums of squares reduced by the same pairwise tree, the collapse
-as ``((p0 h0 + p1 h1) + p2 h2) + p3 h3`` rounded once, the norm as ``w * (x * rstd)`` with round-to-
-nearest divisions. nvcc runs with ``--fmad=false`` and every sum and product is an explicit ``__f*_rn``.
-x, pre, post and comb equal the Triton kernel's bitwise on the H200 at every M tested (1 to 65536, odd ones too).
-
-Cross-CTA waits: a CTA waits only for the 16 CTAs of its own group, ``LAG`` row blocks behind, and the
-grid is at most one CTA per SM (212 KiB of shared memory each), so every CTA a wait depends on is
-resident or, with another kernel on the device, scheduled once that kernel's blocks retire.
-
-Where the time goes (Nsight Compute, run 43, M = 16384): one warpgroup a SM issues an instruction every
-3 cycles a scheduler (34% of the stall samples issuing, 24% waiting on fixed-latency dependencies, 13%
-each at barriers and on loads); DRAM 47%, L2 68% busy. A faster version needs more warps a SM that do
-not step together (a producer warp, two consumer warpgroups on alternate row blocks), not this schedule.
+collapse + RMSNorm written to HBM once (``mhc_pre_kernel``), then the Triton finish kernel on its partials.
+Off by default (``lowering.mhc.TILELANG_PRE_MIN_M``): it gives the Triton kernel's bits, but on the H200 it
+measured 10-20% slower (runs 40-45, ``docs/performance.md``). Here: the launch configs, the compiled-kernel
+cache, the input checks and the host wrappers.
 """
 
-# No ``from __future__ import annotations``: TileLang evaluates the prim_func annotations.
-
-import contextlib
 import threading
 from typing import Any
 
 import torch
 
 from ..mhc_weights import NUM_SLICES, slice_geometry
+from .mhc_pre_kernel import BM, HALF, HC, LAG, NMIX, SENTINEL, build, compile_kernel
 
-HC = 4
-NMIX = (2 + HC) * HC  # 24 mix columns, the wgmma N
-BM = 64  # rows a row block (one warpgroup's wgmma M)
-HALF = 16  # columns of a chunk a thread owns (two threads a row), as two runs of 8:
-# [8 hf, 8 hf + 8) and [16 + 8 hf, 24 + 8 hf), so each 16-byte access of a warp pairs with its
-# neighbour's into one whole 32-byte sector of the row
-TARGET = {"kind": "cuda", "arch": "sm_90a"}
-# the pipeline is written out (TMA + mbarriers): TileLang's own warp specialization would release a stage
-# before the asynchronous wgmma reading it has completed
-PASS_CONFIGS = {"tl.device_compile_flags": ["--fmad=false"], "tl.disable_warp_specialized": True}
-DEFAULT_STAGES = 4
-LAG = 2  # a row block is normalized while its CTA computes the one this many row blocks later
-SENTINEL = -1.0  # xss before publication (a sum of squares is >= 0 or NaN, never -1)
+__all__ = ["BM", "CONFIGS", "HALF", "HC", "LAG", "NMIX", "SENTINEL", "build", "compile_kernel", "groups_for",
+           "mhc_pre", "partials", "unsupported"]
 
 _LOCK = threading.Lock()
 _KERNELS: dict[tuple[Any, ...], Any] = {}
-
-
-@contextlib.contextmanager
-def _n24():
-    """Let TileLang emit ``wgmma m64n24k16`` for the 24 mix columns (it picks n8 for N % 16 == 8,
-    because of wrong results with several N atoms a warp, TileLang issue #2593; here there is one)."""
-    import tilelang.cuda.intrinsics.macro.wgmma_macro_generator as wg
-
-    orig = getattr(wg, "select_wgmma_inst_n", None)
-    if orig is None:  # another TileLang: keep its choice
-        yield
-        return
-    wg.select_wgmma_inst_n = lambda n: NMIX if n == NMIX else orig(n)
-    try:
-        yield
-    finally:
-        wg.select_wgmma_inst_n = orig
 
 
 def groups_for(sm_count: int) -> int:
@@ -110,315 +43,16 @@ def unsupported(h: torch.Tensor) -> str | None:
     return None
 
 
-# ----------------------------------------------------------------------------- kernel
-def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: int = 1, lag: int = LAG,
-          mid_resident: bool = True):
-    """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
-    ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
-    normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
-    stays in shared memory like hi, else it streams in with lo, freeing 60 KiB for stages).
-
-    Arguments: ``h [M, 4d]`` bf16, ``hi/mid/lo [16, 4, 24, d/16]`` bf16 (slice-major parts), ``pre_prev
-    [M, 4]`` f32, ``w [d]`` f32 -> ``x [M, d]`` bf16 (normalized), ``ws [nrb*16*64, 24]``, ``ss``,
-    ``xss [nrb*16*64]`` f32 (the Triton finish kernel's partial layout; ``xss`` filled with ``SENTINEL``
-    before the launch: a slice's norm partial is published when it stops being the sentinel)."""
-    import tilelang.language as T
-
-    S = NUM_SLICES
-    ds, bk = slice_geometry(d)
-    nc = ds // bk  # chunks a slice
-    k_total = HC * d
-    threads = 128 * wgs
-    bm = BM * wgs  # rows a kernel row block; the partials keep 64-row blocks (the finish kernel's layout)
-    m = T.dynamic("M")
-    bf16, f32 = "bfloat16", "float32"
-
-    def pslot(rb, r, s2):
-        """Index of row r of kernel row block rb, slice s2, in the 64-row partial layout."""
-        return ((rb * wgs + r // BM) * S + s2) * BM + r % BM
-
-    @T.macro
-    def row_rstd(xss, rbn, r, pv, red):
-        """red[1] <- rsqrt factor of row r of row block rbn, once its 16 slice partials are published
-        (relaxed loads from L2, polled; the values are the only data read, so no fence is needed)."""
-        for _ in T.serial(m + (1 << 30)):  # a ``while`` is not accepted here; a runtime bound is not unrolled
-            for s2 in T.unroll(S):
-                pv[s2] = T.atomic_load(xss[pslot(rbn, r, s2)], memory_order="relaxed")
-            red[0] = 0.0
-            for s2 in T.unroll(S):
-                red[0] = T.if_then_else(pv[s2] == SENTINEL, 1.0, red[0])
-            if red[0] == 0.0:
-                T.loop_break()
-        red[0] = 0.0
-        for s2 in T.unroll(S):  # slice order, as the Triton finish kernel
-            red[0] = T.ieee_add(red[0], pv[s2])
-        red[1] = T.ieee_fdiv(1.0, T.ieee_fsqrt(T.ieee_add(T.ieee_fdiv(red[0], float(d)), eps)))
-
-    @T.macro
-    def norm_chunk(x, w_s, row, col2, lcol, hf, xn, wv, red):
-        """x[row, this thread's 16 columns of the chunk at col2] <- bf16(w * (x * rstd)) from xn (the
-        un-normalized values, loaded before); lcol: the chunk's column within the slice (w_s)."""
-        for u in T.unroll(2):
-            for e in T.vectorized(8):
-                wv[u * 8 + e] = w_s[lcol + u * 16 + hf * 8 + e]
-        for v in T.unroll(HALF):
-            xn[v] = T.cast(T.ieee_mul(wv[v], T.ieee_mul(T.cast(xn[v], f32), red[1])), bf16)
-        if row < m:
-            for u in T.unroll(2):
-                for e in T.vectorized(8):
-                    x[row, col2 + u * 16 + hf * 8 + e] = xn[u * 8 + e]
-
-    @T.macro
-    def load_chunk(x, row, col2, hf, xn):
-        if row < m:
-            for u in T.unroll(2):
-                for e in T.vectorized(8):
-                    xn[u * 8 + e] = x[row, col2 + u * 16 + hf * 8 + e]
-
-    @T.macro
-    def stream_dots(a, hi, md, mds, k, lo, sh, acc_mid, acc_lo, st, c):
-        """Stream k's three dots of a step (async): hi from zero into sh, mid and lo chained."""
-        T.wgmma_gemm(a[st, :, :], hi[:, c * bk:(c + 1) * bk], sh, transpose_B=True, clear_accum=True)
-        if mid_resident:
-            T.wgmma_gemm(a[st, :, :], md[:, c * bk:(c + 1) * bk], acc_mid, transpose_B=True)
-        else:
-            T.wgmma_gemm(a[st, :, :], mds[st, k, :, :], acc_mid, transpose_B=True)
-        T.wgmma_gemm(a[st, :, :], lo[st, :, :], acc_lo, transpose_B=True)
-
-    @T.macro
-    def load_stream(a, hv, st, r, hf):
-        """This thread's 16 values of a stream's chunk, from the shared stage, as fp32."""
-        for u in T.unroll(2):
-            for e in T.vectorized(8):
-                hv[u * 8 + e] = T.cast(a[st, r, u * 16 + hf * 8 + e], f32)
-
-    @T.macro
-    def issue(h, wlo, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds, full):
-        """TMA of step q (row block g + (q // nc) * groups, chunk q % nc) into stage st; every thread
-        arrives (the elected leader first adds the expected bytes). The residual is read once: evict it
-        first, so the un-normalized collapse stays in L2 until its normalization."""
-        rq = (g + (q // nc) * groups) * bm
-        cq = q % nc
-        colq = s * ds + cq * bk
-        T.tma_copy(h[rq:rq + bm, 0 * d + colq:0 * d + colq + bk], a0[st, :, :], barrier=full[st],
-                   eviction_policy="evict_first")
-        T.tma_copy(h[rq:rq + bm, 1 * d + colq:1 * d + colq + bk], a1[st, :, :], barrier=full[st],
-                   eviction_policy="evict_first")
-        T.tma_copy(h[rq:rq + bm, 2 * d + colq:2 * d + colq + bk], a2[st, :, :], barrier=full[st],
-                   eviction_policy="evict_first")
-        T.tma_copy(h[rq:rq + bm, 3 * d + colq:3 * d + colq + bk], a3[st, :, :], barrier=full[st],
-                   eviction_policy="evict_first")
-        T.tma_copy(wlo[s, 0, :, cq * bk:(cq + 1) * bk], lo0[st, :, :], barrier=full[st])
-        T.tma_copy(wlo[s, 1, :, cq * bk:(cq + 1) * bk], lo1[st, :, :], barrier=full[st])
-        T.tma_copy(wlo[s, 2, :, cq * bk:(cq + 1) * bk], lo2[st, :, :], barrier=full[st])
-        T.tma_copy(wlo[s, 3, :, cq * bk:(cq + 1) * bk], lo3[st, :, :], barrier=full[st])
-        if not mid_resident:
-            T.tma_copy(wmid[s, :, :, cq * bk:(cq + 1) * bk], mds[st, :, :, :], barrier=full[st])
-        T.mbarrier_arrive(full[st])
-
-    @T.prim_func
-    def pre(
-        h: T.Tensor((m, k_total), bf16),
-        whi: T.Tensor((S, HC, NMIX, ds), bf16),
-        wmid: T.Tensor((S, HC, NMIX, ds), bf16),
-        wlo: T.Tensor((S, HC, NMIX, ds), bf16),
-        pre_prev: T.Tensor((m, HC), f32),
-        nw: T.Tensor((d,), f32),
-        x: T.Tensor((m, d), bf16),
-        ws: T.Tensor((T.ceildiv(m, bm) * wgs * S * BM, NMIX), f32),
-        ss: T.Tensor((T.ceildiv(m, bm) * wgs * S * BM,), f32),
-        xss: T.Tensor((T.ceildiv(m, bm) * wgs * S * BM,), f32),
-    ):
-        with T.Kernel(groups * S, threads=threads) as cta:
-            s = cta % S
-            g = cta // S
-            # resident parts, one [24, DS] tile a stream (laid out as DS/32 swizzled [24, 32] chunks)
-            hi0 = T.alloc_shared((NMIX, ds), bf16)
-            hi1 = T.alloc_shared((NMIX, ds), bf16)
-            hi2 = T.alloc_shared((NMIX, ds), bf16)
-            hi3 = T.alloc_shared((NMIX, ds), bf16)
-            if mid_resident:
-                md0 = T.alloc_shared((NMIX, ds), bf16)
-                md1 = T.alloc_shared((NMIX, ds), bf16)
-                md2 = T.alloc_shared((NMIX, ds), bf16)
-                md3 = T.alloc_shared((NMIX, ds), bf16)
-                mds = md0
-            else:  # streamed: [stage, stream, 24, 32]
-                mds = T.alloc_shared((stages, HC, NMIX, bk), bf16)
-                md0 = md1 = md2 = md3 = mds
-            # stages: the four streams' [bm, 32] chunk of a row block and the lo part's [24, 32] chunks
-            a0 = T.alloc_shared((stages, bm, bk), bf16)
-            a1 = T.alloc_shared((stages, bm, bk), bf16)
-            a2 = T.alloc_shared((stages, bm, bk), bf16)
-            a3 = T.alloc_shared((stages, bm, bk), bf16)
-            lo0 = T.alloc_shared((stages, NMIX, bk), bf16)
-            lo1 = T.alloc_shared((stages, NMIX, bk), bf16)
-            lo2 = T.alloc_shared((stages, NMIX, bk), bf16)
-            lo3 = T.alloc_shared((stages, NMIX, bk), bf16)
-            full = T.alloc_barrier([threads] * stages)
-            wbar = T.alloc_barrier([threads])
-            acc_hi = T.alloc_fragment((bm, NMIX), f32)
-            acc_mid = T.alloc_fragment((bm, NMIX), f32)
-            acc_lo = T.alloc_fragment((bm, NMIX), f32)
-            sh0 = T.alloc_fragment((bm, NMIX), f32)
-            sh1 = T.alloc_fragment((bm, NMIX), f32)
-            sh2 = T.alloc_fragment((bm, NMIX), f32)
-            sh3 = T.alloc_fragment((bm, NMIX), f32)
-            # thread (r, hf) = (tx // 2, tx % 2) owns 16 columns of every chunk of row r (see HALF)
-            sq = T.alloc_local((HALF,), f32)
-            xq = T.alloc_local((HALF,), f32)
-            pr = T.alloc_local((HC,), f32)
-            hv0 = T.alloc_local((HALF,), f32)
-            hv1 = T.alloc_local((HALF,), f32)
-            hv2 = T.alloc_local((HALF,), f32)
-            hv3 = T.alloc_local((HALF,), f32)
-            xo = T.alloc_local((HALF,), bf16)
-            xn = T.alloc_local((HALF,), bf16)
-            wv = T.alloc_local((HALF,), f32)
-            w_s = T.alloc_shared((ds,), f32)  # this slice's norm weights
-            pv = T.alloc_local((S,), f32)
-            red = T.alloc_local((2,), f32)
-            tx = T.get_thread_binding()
-            r = tx // 2
-            hf = tx % 2
-
-            T.tma_copy(whi[s, 0, :, :], hi0, barrier=wbar[0])
-            T.tma_copy(whi[s, 1, :, :], hi1, barrier=wbar[0])
-            T.tma_copy(whi[s, 2, :, :], hi2, barrier=wbar[0])
-            T.tma_copy(whi[s, 3, :, :], hi3, barrier=wbar[0])
-            if mid_resident:
-                T.tma_copy(wmid[s, 0, :, :], md0, barrier=wbar[0])
-                T.tma_copy(wmid[s, 1, :, :], md1, barrier=wbar[0])
-                T.tma_copy(wmid[s, 2, :, :], md2, barrier=wbar[0])
-                T.tma_copy(wmid[s, 3, :, :], md3, barrier=wbar[0])
-            T.mbarrier_arrive(wbar[0])
-            for i in T.Parallel(ds):
-                w_s[i] = nw[s * ds + i]
-            nrb = T.ceildiv(m, bm)
-            nloc = T.ceildiv(nrb - g, groups)  # row blocks of this CTA (0 when g >= nrb)
-            total = nloc * nc
-            for p in T.unroll(stages):
-                if p < total:
-                    issue(h, wlo, wmid, p, p, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds, full)
-            T.mbarrier_wait_parity(wbar[0], 0)
-
-            for t in T.serial(total):
-                st = t % stages
-                j = t // nc
-                c = t % nc
-                rb = g + j * groups
-                col = s * ds + c * bk
-                row = rb * bm + r
-                # the row block ``lag`` back: its rsqrt at chunk 0, one chunk normalized a step
-                nrow = (rb - lag * groups) * bm + r
-                ncol = col
-                if j >= lag:
-                    if c == 0:
-                        row_rstd(xss, rb - lag * groups, r, pv, red)
-                    load_chunk(x, nrow, ncol, hf, xn)
-                if c == 0:
-                    T.clear(acc_hi)
-                    T.clear(acc_mid)
-                    T.clear(acc_lo)
-                    for v in T.unroll(HALF):
-                        sq[v] = 0.0
-                        xq[v] = 0.0
-                    for k in T.unroll(HC):
-                        pr[k] = T.if_then_else(row < m, pre_prev[row, k], 0.0)
-                T.mbarrier_wait_parity(full[st], (t // stages) % 2)
-                # 12 async wgmma groups: hi from zero per stream, mid and lo chained over the slice
-                stream_dots(a0, hi0, md0, mds, 0, lo0, sh0, acc_mid, acc_lo, st, c)
-                stream_dots(a1, hi1, md1, mds, 1, lo1, sh1, acc_mid, acc_lo, st, c)
-                stream_dots(a2, hi2, md2, mds, 2, lo2, sh2, acc_mid, acc_lo, st, c)
-                stream_dots(a3, hi3, md3, mds, 3, lo3, sh3, acc_mid, acc_lo, st, c)
-                # meanwhile: sums of squares and the collapse from the same shared tiles
-                load_stream(a0, hv0, st, r, hf)
-                load_stream(a1, hv1, st, r, hf)
-                load_stream(a2, hv2, st, r, hf)
-                load_stream(a3, hv3, st, r, hf)
-                for v in T.unroll(HALF):
-                    sq[v] = T.ieee_fmaf(hv0[v], hv0[v], sq[v])
-                    sq[v] = T.ieee_fmaf(hv1[v], hv1[v], sq[v])
-                    sq[v] = T.ieee_fmaf(hv2[v], hv2[v], sq[v])
-                    sq[v] = T.ieee_fmaf(hv3[v], hv3[v], sq[v])
-                    xo[v] = T.cast(
-                        T.ieee_add(
-                            T.ieee_add(
-                                T.ieee_add(T.ieee_mul(pr[0], hv0[v]), T.ieee_mul(pr[1], hv1[v])),
-                                T.ieee_mul(pr[2], hv2[v]),
-                            ),
-                            T.ieee_mul(pr[3], hv3[v]),
-                        ),
-                        bf16,
-                    )
-                    xq[v] = T.ieee_fmaf(T.cast(xo[v], f32), T.cast(xo[v], f32), xq[v])
-                if row < m:
-                    for u in T.unroll(2):
-                        for e in T.vectorized(8):
-                            x[row, col + u * 16 + hf * 8 + e] = xo[u * 8 + e]
-                T.wait_wgmma(0)
-                for i, n in T.Parallel(bm, NMIX):
-                    acc_hi[i, n] = T.ieee_add(
-                        T.ieee_add(T.ieee_add(T.ieee_add(acc_hi[i, n], sh0[i, n]), sh1[i, n]), sh2[i, n]), sh3[i, n]
-                    )
-                # stage st is free once every thread is past its reads (the wgmma reads ended at the wait)
-                T.sync_threads()
-                if t + stages < total:
-                    issue(h, wlo, wmid, t + stages, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds, full)
-                if j >= lag:
-                    norm_chunk(x, w_s, nrow, ncol, c * bk, hf, xn, wv, red)
-                if c == nc - 1:
-                    # publish this slice's partials (Triton finish layout); xss last: the normalization
-                    # of this row block (one CTA each slice) waits for it
-                    for i, n in T.Parallel(bm, NMIX):
-                        ws[pslot(rb, i, s), n] = T.ieee_add(T.ieee_add(acc_hi[i, n], acc_mid[i, n]), acc_lo[i, n])
-                    # pairwise tree over the 32 chunk positions: within each run of 8 here (levels 1-3),
-                    # then (run0 + partner's run0) + (run1 + partner's run1) (levels 4-5)
-                    for lvl in T.unroll(3):
-                        for u in T.unroll(2):
-                            for v in T.unroll(4):
-                                if v < (4 >> lvl):
-                                    sq[u * 8 + v] = T.ieee_add(sq[u * 8 + 2 * v], sq[u * 8 + 2 * v + 1])
-                                    xq[u * 8 + v] = T.ieee_add(xq[u * 8 + 2 * v], xq[u * 8 + 2 * v + 1])
-                    red[0] = T.shfl_xor(sq[0], 1)
-                    red[1] = T.shfl_xor(sq[8], 1)
-                    sq[0] = T.ieee_add(T.ieee_add(sq[0], red[0]), T.ieee_add(sq[8], red[1]))
-                    red[0] = T.shfl_xor(xq[0], 1)
-                    red[1] = T.shfl_xor(xq[8], 1)
-                    xq[0] = T.ieee_add(T.ieee_add(xq[0], red[0]), T.ieee_add(xq[8], red[1]))
-                    if hf == 0:
-                        ss[pslot(rb, r, s)] = sq[0]
-                        T.atomic_store(xss[pslot(rb, r, s)], xq[0], memory_order="relaxed")
-            # the last ``lag`` row blocks of this CTA: normalized after the loop
-            for jj in T.serial(lag):
-                if nloc - lag + jj >= 0:
-                    rbn = g + (nloc - lag + jj) * groups
-                    row_rstd(xss, rbn, r, pv, red)
-                    for c2 in T.serial(nc):
-                        load_chunk(x, rbn * bm + r, s * ds + c2 * bk, hf, xn)
-                        norm_chunk(x, w_s, rbn * bm + r, s * ds + c2 * bk, c2 * bk, hf, xn, wv, red)
-
-    return pre
-
-
-def compile_kernel(func):
-    """Lower and compile for sm_90a (nvcc, no GPU needed), with the n24 wgmma and no FMA contraction."""
-    import tilelang
-    from tvm.target import Target
-
-    target = Target(TARGET)
-    with target, _n24():
-        return tilelang.compile(func, target=target, execution_backend="tvm_ffi", pass_configs=PASS_CONFIGS)
-
-
-def _kernel(d: int, groups: int, eps: float, stages: int, wgs: int, lag: int, mid_resident: bool):
-    key = (d, groups, float(eps), stages, wgs, lag, mid_resident)
+def _kernel(d: int, groups: int, eps: float, stages: int, wgs: int, lag: int, mid_resident: bool,
+            producer: bool = False):
+    key = (d, groups, float(eps), stages, wgs, lag, mid_resident, producer)
     k = _KERNELS.get(key)
     if k is None:
         with _LOCK:
             k = _KERNELS.get(key)
             if k is None:
-                k = _KERNELS[key] = compile_kernel(build(d, groups, float(eps), stages, wgs, lag, mid_resident))
+                k = _KERNELS[key] = compile_kernel(
+                    build(d, groups, float(eps), stages, wgs, lag, mid_resident, producer), producer)
     return k
 
 
@@ -428,6 +62,9 @@ CONFIGS = {
     "wg2": dict(wgs=2, stages=2, lag=LAG),
     "wg2-mid-streamed": dict(wgs=2, stages=3, lag=LAG, mid_resident=False),
     "wg1-mid-streamed": dict(wgs=1, stages=5, lag=LAG, mid_resident=False),
+    # a producer warpgroup issues the copies (not measured on a GPU yet)
+    "wg1-producer": dict(wgs=1, stages=4, lag=LAG, producer=True),
+    "wg2-producer": dict(wgs=2, stages=2, lag=LAG, producer=True),
 }
 DEFAULT_CONFIG = CONFIGS["wg1"]
 
@@ -450,7 +87,8 @@ def partials(h, pre_prev, sliced, weight, eps: float, *, config: dict | None = N
     if m == 0:
         return x, ws, ss
     xss = torch.full((rows,), SENTINEL, **f32)
-    _kernel(d, groups, eps, cfg["stages"], cfg["wgs"], cfg.get("lag", LAG), cfg.get("mid_resident", True))(
+    _kernel(d, groups, eps, cfg["stages"], cfg["wgs"], cfg.get("lag", LAG), cfg.get("mid_resident", True),
+            cfg.get("producer", False))(
         h.view(m, n * d), sliced[0], sliced[1], sliced[2], pre_prev.contiguous(), weight.contiguous(),
         x, ws, ss, xss,
     )
