@@ -260,6 +260,7 @@ def test_tilelang_decode_split_fills_one_wave():
     assert tw.decode_config(100, 1024, 8, 132)["SPLIT"] == 8  # 16 x 8
     assert tw.decode_config(100, 1024, 2, 132)["SPLIT"] == 2  # no more parts than heads
     assert tw.decode_config(100, 2048, 8, 64)["SPLIT"] == 2  # a smaller GPU
+    assert tw.decode_config(5, 32, 8, 132)["SPLIT"] == 8 and tw.decode_config(5, 32, 8, 4)["SPLIT"] == 4  # N < 64
     assert tw.default_config(129, 2048, 8) == tw.default_config(129) == dict(tw._DECODE, SPLIT=4)
     assert tw.default_config(128) == dict(tw._DECODE, SPLIT=8)
 

@@ -118,7 +118,7 @@ def decode_config(m: int, n: int, hpg: int, sms: int) -> dict:
     keep the grid within one wave of ``sms`` CTAs. run103-probe_wo_a_decode-tp4.log / -tp1.log (us, medians of
     6 interleaved rounds) at M = 128: TP4 (N 2048, 8 heads a group) 11.0 with 4 parts against 11.8 for the 128 x
     128 tiles in 8 parts (cuBLAS 8.9); TP1 (N 8192) 29.8 with 1 part against 51.2 (cuBLAS 22.8)."""
-    tiles = (n // 64) * -(-m // 128)
+    tiles = -(-n // 64) * -(-m // 128)  # (a narrower N still takes one column tile)
     parts = 1
     while parts < 8 and hpg % (2 * parts) == 0 and tiles * 2 * parts <= sms:
         parts *= 2
