@@ -53,6 +53,7 @@ move to them by ``setmaxnreg`` (24 / 240).
 import contextlib
 
 from ..mhc_weights import NUM_SLICES, slice_geometry
+from .register_split import CONSUMER_REGS, PRODUCER_REGS, launch_regs, split_reason
 
 HC = 4
 NMIX = (2 + HC) * HC  # 24 mix columns, the wgmma N
@@ -66,7 +67,6 @@ TARGET = {"kind": "cuda", "arch": "sm_90a"}
 PASS_CONFIGS = {"tl.device_compile_flags": ["--fmad=false"], "tl.disable_warp_specialized": True}
 # with a producer warpgroup the syncs are written out too (TileLang's own would sync the CTA, producer included)
 PRODUCER_PASS_CONFIGS = dict(PASS_CONFIGS, **{"tl.disable_thread_storage_sync": True})
-PRODUCER_REGS, CONSUMER_REGS = 24, 240  # setmaxnreg budgets (the WO-A kernel's split)
 DEFAULT_STAGES = 4
 LAG = 2  # a row block is normalized while its CTA computes the one this many row blocks later
 SENTINEL = -1.0  # xss before publication (a sum of squares is >= 0 or NaN, never -1)
@@ -111,13 +111,10 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     consumers = 128 * wgs
     threads = consumers + (128 if producer else 0)
     lead = 32 if producer else None  # the threads a TMA issue elects its thread from
-    # registers move to the consumers only where the launch gives a thread fewer than they need (a
-    # ``setmaxnreg.inc`` below the launch's count is undefined); a split past the launch's total would hang
-    launch_regs = min(255, 65536 // threads // 8 * 8)
-    split_regs = producer and CONSUMER_REGS > launch_regs
-    if split_regs and 128 * PRODUCER_REGS + consumers * CONSUMER_REGS > launch_regs * threads:
-        raise ValueError(f"TileLang mhc_pre: setmaxnreg {PRODUCER_REGS} / {CONSUMER_REGS} exceeds the "
-                         f"{launch_regs} registers a thread of {threads} holds")
+    # registers move to the consumers only where the launch gives a thread fewer than they need
+    split_regs = producer and CONSUMER_REGS > launch_regs(threads)
+    if split_regs and split_reason(consumers):
+        raise ValueError(f"TileLang mhc_pre: {split_reason(consumers)}")
     bm = BM * wgs  # rows a kernel row block; the partials keep 64-row blocks (the finish kernel's layout)
     m = T.dynamic("M")
     bf16, f32 = "bfloat16", "float32"

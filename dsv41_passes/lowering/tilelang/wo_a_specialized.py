@@ -31,7 +31,8 @@ on its own barrier, 2.63 against 1.65 ms at M = 65536 (run 100): each piece wait
 
 # No ``from __future__ import annotations``: TileLang evaluates the prim_func annotations.
 
-PRODUCER_REGS, CONSUMER_REGS = 24, 240  # setmaxnreg budgets (TileLang's own for this split)
+from .register_split import CONSUMER_REGS, PRODUCER_REGS, split_reason
+
 # the pipeline is written out, and so are the thread syncs it needs
 PASS_CONFIGS = {"tl.disable_warp_specialized": True, "tl.disable_thread_storage_sync": True}
 ROPE_PLACES = ("tails", "consumers")
@@ -61,12 +62,8 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
     in_kernel = RD > 0 and rope == "consumers"
     if RD and rope_reason(rope, RD):
         raise ValueError(f"wo_a (tilelang, specialized): {rope_reason(rope, RD)}")
-    # the warpgroups share what the launch holds: a consumer ``setmaxnreg.inc`` past it waits forever
-    # (a split of 96 / 208 at 384 threads hung the kernel in run 99)
-    launch_regs = 65536 // (128 + consumers) // 8 * 8
-    if 128 * PRODUCER_REGS + consumers * CONSUMER_REGS > launch_regs * (128 + consumers):
-        raise ValueError(f"wo_a (tilelang, specialized): setmaxnreg {PRODUCER_REGS} / {CONSUMER_REGS} exceeds "
-                         f"the {launch_regs} registers a thread of {128 + consumers} holds (BM {BM})")
+    if split_reason(consumers):
+        raise ValueError(f"wo_a (tilelang, specialized): {split_reason(consumers)} (BM {BM})")
     bf16, f32 = T.bfloat16, T.float32
     M = T.dynamic("M")
     K, N = hpg * d, g * r
