@@ -5,6 +5,7 @@ runs in a child process with a time limit (printing a line per M as it goes), so
 wait that never completes) costs the rest of that config only.
 
     source .devsite/setup.sh && python3 benchmarks/probe_mhc_pre_tilelang.py [--m 4096 65536]
+    ... --together --configs wg1-producer wg1x2-producer: one process, the ops and the Triton op timed in turn
 """
 
 from __future__ import annotations
@@ -53,13 +54,55 @@ def child(m: int, name: str) -> dict:
     return out
 
 
+def together(m: int, names: list[str], rounds: int) -> list[dict]:
+    """Every config's op and the Triton op at one M, timed in turn (``time_interleaved``), with the bits of x
+    and the stats against the Triton op."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.common import time_interleaved
+    from dsv41_passes.lowering.mhc_weights import build_parts, slice_major
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+    from dsv41_passes.lowering.triton import mhc as tk
+
+    g = torch.Generator(device="cuda").manual_seed(m)
+    d, k = 5120, 20480
+    h = torch.randn(m, 4, d, device="cuda", generator=g).bfloat16()
+    fn = torch.randn(24, k, device="cuda", generator=g) / k**0.5
+    scale = torch.rand(3, device="cuda", generator=g) + 0.5
+    base = torch.randn(24, device="cuda", generator=g) * 0.5
+    pp = torch.rand(m, 4, device="cuda", generator=g) + 0.1
+    w = torch.rand(d, device="cuda", generator=g) + 0.5
+    parts = build_parts(fn)
+    sliced = slice_major(parts, d, 24)
+    tcfg = tk.default_config("mhc_pre")
+    args = (scale, base, w, 20, 1e-6, 1e-6, 1e-6)
+    fns = {"triton": lambda: tk.mhc_pre(h, pp, parts, *args, batch_invariant=False, config=tcfg)}
+    ref = fns["triton"]()
+    same = {"triton": True}
+    for name in names:
+        fns[name] = (lambda c: lambda: tlp.mhc_pre(h, pp, sliced, *args, config=c))(tlp.CONFIGS[name])
+        same[name] = all(torch.equal(a, b) for a, b in zip(fns[name](), ref))
+    times = time_interleaved(fns, rounds=rounds)
+    return [{"m": m, "config": n, "same_bits": same[n], "ms_median": t[0], "ms_min": t[1]} for n, t in times.items()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, nargs="+", default=[4096, 4097, 65536, 16384, 1024, 128, 1])
     ap.add_argument("--configs", nargs="+", default=["wg1", "wg2"])
     ap.add_argument("--limit", type=int, default=150)
     ap.add_argument("--child")
+    ap.add_argument("--together", action="store_true",
+                    help="one process: every config and the Triton op timed in turn at each M")
+    ap.add_argument("--rounds", type=int, default=6)
     args = ap.parse_args()
+    if args.together:
+        rows = [r for m in args.m for r in together(m, args.configs, args.rounds)]
+        print("\n| M | op | same bits as Triton | ms (median) | ms (min) |\n|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['m']} | {r['config']} | {r['same_bits']} | {r['ms_median']:.4f} | {r['ms_min']:.4f} |")
+        return
     if args.child:
         for m in args.m:
             print(json.dumps(child(m, args.child)), flush=True)

@@ -311,8 +311,9 @@ def _tilelang_stats(h, fn, scale, base, iters, hc_eps, norm_eps, *, batch_invari
 
 # The persistent TileLang mhc_pre (prefill sizes) runs from this token count up, outside batch-invariant
 # mode; None (the default) keeps it off: it gives the Triton kernel's bits but measured slower at every M
-# on the H200 (run 43, the whole op: 1.85 vs 1.63 ms at M = 65536, 0.530 vs 0.420 at 16384, 0.145 vs 0.119 at
-# 4096; benchmarks/results/run43-probe_mhc_pre_tilelang.log).
+# on the H200 (the whole op, timed in turn with the Triton op: 1.614 vs 1.603 ms at M = 65536, 0.416 vs 0.413
+# at 16384, 0.116 vs 0.112 at 4096; benchmarks/results/run108-probe_mhc_pre-together.log; 1.85 vs 1.63 ms at
+# 65536 before its producer warpgroup, run 43).
 # DSV41_MHC_PRE_TILELANG_MIN_M sets it from the environment.
 _ENV_MIN_M = os.environ.get("DSV41_MHC_PRE_TILELANG_MIN_M")
 TILELANG_PRE_MIN_M: int | None = int(_ENV_MIN_M) if _ENV_MIN_M else None

@@ -78,13 +78,14 @@ def test_kernel_rejects_what_it_cannot_run():
     assert tlp.groups_for(132) == 8 and tlp.groups_for(114) == 7 and tlp.groups_for(8) == 1
 
 
-@pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer"])
+@pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-producer"])
 def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     """The sm_90a build: one wgmma shape (m64n24k16, the 24 mix columns unpadded), rounding spelled out
     (no contraction: nvcc --fmad=false and explicit __f*_rn), the residual loads by TMA with the
     evict-first hint, no register spills, and the shared memory within the 227 KiB an SM gives a block.
     With a producer warpgroup: warp 0 alone issues the copies, each stage's reuse waits for the consumers'
-    release, and after the set-up no barrier takes the whole CTA."""
+    release, and after the set-up no barrier takes the whole CTA. With two stage rings: warp 1 fills the second,
+    and each consumer warpgroup has a loop of its own (its own wgmma, 12 a step)."""
     pytest.importorskip("tilelang")
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not installed: TileLang cannot build the sm_90a cubin")
@@ -93,18 +94,25 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
 
     cfg = tlp.CONFIGS[name]
     producer = cfg.get("producer", False)
-    k = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, cfg["stages"], cfg["wgs"], producer=producer), producer)
+    rings = cfg.get("rings", 1)
+    k = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, cfg["stages"], cfg["wgs"], producer=producer, rings=rings),
+                           producer)
     src = k.get_kernel_source()
     if producer:
         assert src.count("__syncthreads()") == 1  # the barriers' initialization
         assert "if (((int)threadIdx.x) < 32) {" in src and "tl_shuffle_elect<32>" in src
         assert "tl_shuffle_elect<128>" not in src and "tl_shuffle_elect<256>" not in src
-        assert f"empty[(q & {cfg['stages'] - 1})].wait(" in src and "].arrive();" in src
+        if rings == 1:
+            assert f"empty[(q & {cfg['stages'] - 1})].wait(" in src and "].arrive();" in src
+        else:  # warp w waits on ring w's stages
+            assert "if (((int)threadIdx.x) < 64) {" in src
+            assert "empty[(((((int)threadIdx.x) >> 5) * 2) + (q & 1))].wait(" in src
+            assert "if (((int)threadIdx.x) < 256) {" in src and "if (256 <= ((int)threadIdx.x)) {" in src
         # two consumer warpgroups (384 threads) need registers moved to them; one (256) has them already
-        assert ("warpgroup_reg_alloc<240>" in src) == (cfg["wgs"] == 2)
+        assert ("warpgroup_reg_alloc<240>" in src) == (cfg["wgs"] * rings == 2)
     shapes = set(re.findall(r"wgmma_ss<[^>]*kFloat32, (\d+), (\d+), (\d+),", src))
     assert shapes == {("64", "24", "16")}, shapes
-    assert src.count("wgmma_ss<") == 12  # 4 streams x (hi, mid, lo) a step
+    assert src.count("wgmma_ss<") == 12 * rings  # 4 streams x (hi, mid, lo) a step
     assert "tma_load<tl::CacheHintSm90::EVICT_FIRST>(h_desc" in src
     assert "__fmaf_rn" in src and "__fdiv_rn" in src and "__fsqrt_rn" in src
     offsets = [int(v) for v in re.findall(r"buf_dyn_shmem \+ (\d+)\)", src)]
@@ -139,7 +147,7 @@ def _skip_without_tilelang():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer"])
+@pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-producer"])
 @pytest.mark.parametrize("m", [1, 4096, 4097, 65536])
 def test_gpu_matches_the_triton_kernel(m, name):
     """x, pre, post and comb against the Triton mhc_pre; bitwise is the goal (same numerics, n24 instead

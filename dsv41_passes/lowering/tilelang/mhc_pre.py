@@ -1,8 +1,8 @@
 """TileLang ``mhc_pre`` for prefill sizes (sm_90a): one persistent kernel, one read of the residual, the
 collapse + RMSNorm written to HBM once (``mhc_pre_kernel``), then the Triton finish kernel on its partials.
 Off by default (``lowering.mhc.TILELANG_PRE_MIN_M``): it gives the Triton kernel's bits, but on the H200 it
-measured 10-20% slower (runs 40-45, ``docs/performance.md``). Here: the launch configs, the compiled-kernel
-cache, the input checks and the host wrappers.
+measured slower: 10-20% in runs 40-45, 0.7-4% with the producer warpgroup (run 108, ``docs/performance.md``).
+Here: the launch configs, the compiled-kernel cache, the input checks and the host wrappers.
 """
 
 import threading
@@ -44,15 +44,15 @@ def unsupported(h: torch.Tensor) -> str | None:
 
 
 def _kernel(d: int, groups: int, eps: float, stages: int, wgs: int, lag: int, mid_resident: bool,
-            producer: bool = False):
-    key = (d, groups, float(eps), stages, wgs, lag, mid_resident, producer)
+            producer: bool = False, rings: int = 1):
+    key = (d, groups, float(eps), stages, wgs, lag, mid_resident, producer, rings)
     k = _KERNELS.get(key)
     if k is None:
         with _LOCK:
             k = _KERNELS.get(key)
             if k is None:
                 k = _KERNELS[key] = compile_kernel(
-                    build(d, groups, float(eps), stages, wgs, lag, mid_resident, producer), producer)
+                    build(d, groups, float(eps), stages, wgs, lag, mid_resident, producer, rings), producer)
     return k
 
 
@@ -62,11 +62,16 @@ CONFIGS = {
     "wg2": dict(wgs=2, stages=2, lag=LAG),
     "wg2-mid-streamed": dict(wgs=2, stages=3, lag=LAG, mid_resident=False),
     "wg1-mid-streamed": dict(wgs=1, stages=5, lag=LAG, mid_resident=False),
-    # a producer warpgroup issues the copies (not measured on a GPU yet)
+    # a producer warpgroup issues the copies; run107-probe_mhc_pre.log (the op, ms at M = 65536 / 16384):
+    # 1.600 / 0.439 against 1.862 / 0.515 for wg1 and 2.009 / 0.508 for wg2-producer
     "wg1-producer": dict(wgs=1, stages=4, lag=LAG, producer=True),
     "wg2-producer": dict(wgs=2, stages=2, lag=LAG, producer=True),
+    # two consumer warpgroups on alternate row blocks, a stage ring (two stages) and a producer warp each;
+    # run108-probe_mhc_pre-together.log: 1.982 / 0.498 / 0.125 ms at 65536 / 16384 / 4096 against 1.614 / 0.416 /
+    # 0.116 for wg1-producer, timed in turn
+    "wg1x2-producer": dict(wgs=1, stages=2, lag=LAG, producer=True, rings=2),
 }
-DEFAULT_CONFIG = CONFIGS["wg1"]
+DEFAULT_CONFIG = CONFIGS["wg1-producer"]
 
 
 def partials(h, pre_prev, sliced, weight, eps: float, *, config: dict | None = None, groups: int | None = None):
@@ -88,7 +93,7 @@ def partials(h, pre_prev, sliced, weight, eps: float, *, config: dict | None = N
         return x, ws, ss
     xss = torch.full((rows,), SENTINEL, **f32)
     _kernel(d, groups, eps, cfg["stages"], cfg["wgs"], cfg.get("lag", LAG), cfg.get("mid_resident", True),
-            cfg.get("producer", False))(
+            cfg.get("producer", False), cfg.get("rings", 1))(
         h.view(m, n * d), sliced[0], sliced[1], sliced[2], pre_prev.contiguous(), weight.contiguous(),
         x, ws, ss, xss,
     )

@@ -1,6 +1,6 @@
 """The TileLang ``mhc_pre`` kernel (sm_90a): one persistent kernel, one read of the residual, the
 collapse + RMSNorm written to HBM once. Off by default (``lowering.mhc.TILELANG_PRE_MIN_M``): it gives the
-Triton kernel's bits, but on the H200 it measured 10-20% slower (runs 40-45, ``docs/performance.md``).
+Triton kernel's bits, but on the H200 it measured slower (``mhc_pre.CONFIGS``, ``docs/performance.md``).
 
 Why a second kernel beside the Triton one: that kernel reloads its K slice's weight parts from L2 for
 every 64-row block (1.5 times the bytes of the residual tile: L2 73% busy in run 33) and writes the
@@ -41,16 +41,20 @@ Where the time goes (Nsight Compute, run 43, M = 16384): one warpgroup a SM issu
 each at barriers and on loads); DRAM 47%, L2 68% busy. A faster version needs more warps a SM that do
 not step together (a producer warp, two consumer warpgroups on alternate row blocks), not this schedule.
 
-A first step (configs ``*-producer``, ``build(producer=True)``; built for sm_90a in CI, not yet run on a
-GPU): a warpgroup of its own issues the copies (warp 0), so the consumer warpgroups no longer sync the CTA
-at each step or issue TMA; they release a stage on the mbarrier ``empty`` once its wgmma and their reads are
-done. The arithmetic and its order are unchanged. With two consumer warpgroups (384 threads) the registers
-move to them by ``setmaxnreg`` (24 / 240).
+The producer warpgroup (configs ``*-producer``, ``build(producer=True)``, the default since run 107): a
+warpgroup of its own issues the copies (warp 0), so the consumer warpgroups no longer sync the CTA at each
+step or issue TMA; they release a stage on the mbarrier ``empty`` once its wgmma and their reads are done.
+The arithmetic and its order are unchanged. With two consumer warpgroups (384 threads) the registers move to
+them by ``setmaxnreg`` (24 / 240). It took the op from 1.86 to 1.60 ms at M = 65536 (run 107), about the
+Triton kernel's time. Two consumer warpgroups on alternate row blocks, each with a ring of its own
+(``rings=2``), measured slower again (1.98 ms, run 108), so a second warpgroup stepping beside the first is
+not what this kernel lacks; which unit it waits on is not profiled yet.
 """
 
 # No ``from __future__ import annotations``: TileLang evaluates the prim_func annotations.
 
 import contextlib
+from types import SimpleNamespace
 
 from ..mhc_weights import NUM_SLICES, slice_geometry
 from .register_split import CONSUMER_REGS, PRODUCER_REGS, launch_regs, split_reason
@@ -90,13 +94,16 @@ def _n24():
 
 # ----------------------------------------------------------------------------- kernel
 def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: int = 1, lag: int = LAG,
-          mid_resident: bool = True, producer: bool = False):
+          mid_resident: bool = True, producer: bool = False, rings: int = 1):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
     stays in shared memory like hi, else it streams in with lo, freeing 60 KiB for stages; ``producer``: a
     warpgroup of its own issues the copies (warp 0: TMA into the stages once the consumer warpgroups have
-    released them, barrier ``empty``), so the consumers neither issue copies nor sync the CTA at each step).
+    released them, barrier ``empty``), so the consumers neither issue copies nor sync the CTA at each step);
+    ``rings`` 2 (with a producer, one warpgroup a row block): two consumer warpgroups take alternate row blocks
+    of the CTA, each with a stage ring of its own filled by a producer warp of its own (warp 0 or 1), so they
+    do not step together.
 
     Arguments: ``h [M, 4d]`` bf16, ``hi/mid/lo [16, 4, 24, d/16]`` bf16 (slice-major parts), ``pre_prev
     [M, 4]`` f32, ``w [d]`` f32 -> ``x [M, d]`` bf16 (normalized), ``ws [nrb*16*64, 24]``, ``ss``,
@@ -108,7 +115,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     ds, bk = slice_geometry(d)
     nc = ds // bk  # chunks a slice
     k_total = HC * d
-    consumers = 128 * wgs
+    if rings not in (1, 2) or (rings == 2 and (not producer or wgs != 1)):
+        raise ValueError("TileLang mhc_pre: two stage rings need a producer warpgroup and one warpgroup a row block")
+    consumers = 128 * wgs * rings
     threads = consumers + (128 if producer else 0)
     lead = 32 if producer else None  # the threads a TMA issue elects its thread from
     # registers move to the consumers only where the launch gives a thread fewer than they need
@@ -179,11 +188,11 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                 hv[u * 8 + e] = T.cast(a[st, r, u * 16 + hf * 8 + e], f32)
 
     @T.macro
-    def issue(h, wlo, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds, full):
-        """TMA of step q (row block g + (q // nc) * groups, chunk q % nc) into stage st; every thread
-        arrives (the elected leader first adds the expected bytes). The residual is read once: evict it
-        first, so the un-normalized collapse stays in L2 until its normalization."""
-        rq = (g + (q // nc) * groups) * bm
+    def issue(h, wlo, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds, full, ring=0):
+        """TMA of step q of ``ring`` (row block g + j * groups with j = (q // nc) * rings + ring, chunk q % nc)
+        into stage st; every thread arrives (the elected leader first adds the expected bytes). The residual is
+        read once: evict it first, so the un-normalized collapse stays in L2 until its normalization."""
+        rq = (g + ((q // nc) * rings + ring if rings > 1 else q // nc) * groups) * bm
         cq = q % nc
         colq = s * ds + cq * bk
         T.tma_copy(h[rq:rq + bm, 0 * d + colq:0 * d + colq + bk], a0[st, :, :], barrier=full[st],
@@ -217,6 +226,124 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
             T.tma_copy(wmid[s, 3, :, :], md3, barrier=wbar[0], leader_scope_threads=lead)
         T.mbarrier_arrive(wbar[0])
 
+    def consumer(ring):
+        """The consumer loop of one ring (trace-time ``ring``): its warpgroup's row blocks j = local * rings + ring
+        of the CTA (``nloc`` of them), ``lt`` the thread's index in the warpgroup, ``fr`` its accumulators, ``b``
+        the kernel's buffers and indices."""
+        base = ring * stages if rings > 1 else 0  # the ring's first stage
+        back = groups * rings  # row blocks of the CTA's sequence between two of this ring's
+
+        @T.macro
+        def consume(nloc, total, fr, lt, b):
+            acc_hi, acc_mid, acc_lo, sh0, sh1, sh2, sh3 = fr
+            h, wlo, wmid, x, ws, ss, xss, pre_prev, w_s, s, g = b.io
+            a0, a1, a2, a3, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, md0, md1, md2, md3, mds = b.smem
+            full = b.full
+            sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red = b.regs
+            r = lt // 2
+            hf = lt % 2
+            for t in T.serial(total):
+                st = base + t % stages
+                j = t // nc
+                c = t % nc
+                rb = g + (j * rings + ring if rings > 1 else j) * groups
+                col = s * ds + c * bk
+                row = rb * bm + r
+                # the row block ``lag`` back: its rsqrt at chunk 0, one chunk normalized a step
+                nrow = (rb - lag * back) * bm + r
+                ncol = col
+                if j >= lag:
+                    if c == 0:
+                        row_rstd(xss, rb - lag * back, r, pv, red)
+                    load_chunk(x, nrow, ncol, hf, xn)
+                if c == 0:
+                    T.clear(acc_hi)
+                    T.clear(acc_mid)
+                    T.clear(acc_lo)
+                    for v in T.unroll(HALF):
+                        sq[v] = 0.0
+                        xq[v] = 0.0
+                    for k in T.unroll(HC):
+                        pr[k] = T.if_then_else(row < m, pre_prev[row, k], 0.0)
+                T.mbarrier_wait_parity(full[st], (t // stages) % 2)
+                # 12 async wgmma groups: hi from zero per stream, mid and lo chained over the slice
+                stream_dots(a0, hi0, md0, mds, 0, lo0, sh0, acc_mid, acc_lo, st, c)
+                stream_dots(a1, hi1, md1, mds, 1, lo1, sh1, acc_mid, acc_lo, st, c)
+                stream_dots(a2, hi2, md2, mds, 2, lo2, sh2, acc_mid, acc_lo, st, c)
+                stream_dots(a3, hi3, md3, mds, 3, lo3, sh3, acc_mid, acc_lo, st, c)
+                # meanwhile: sums of squares and the collapse from the same shared tiles
+                load_stream(a0, hv0, st, r, hf)
+                load_stream(a1, hv1, st, r, hf)
+                load_stream(a2, hv2, st, r, hf)
+                load_stream(a3, hv3, st, r, hf)
+                for v in T.unroll(HALF):
+                    sq[v] = T.ieee_fmaf(hv0[v], hv0[v], sq[v])
+                    sq[v] = T.ieee_fmaf(hv1[v], hv1[v], sq[v])
+                    sq[v] = T.ieee_fmaf(hv2[v], hv2[v], sq[v])
+                    sq[v] = T.ieee_fmaf(hv3[v], hv3[v], sq[v])
+                    xo[v] = T.cast(
+                        T.ieee_add(
+                            T.ieee_add(
+                                T.ieee_add(T.ieee_mul(pr[0], hv0[v]), T.ieee_mul(pr[1], hv1[v])),
+                                T.ieee_mul(pr[2], hv2[v]),
+                            ),
+                            T.ieee_mul(pr[3], hv3[v]),
+                        ),
+                        bf16,
+                    )
+                    xq[v] = T.ieee_fmaf(T.cast(xo[v], f32), T.cast(xo[v], f32), xq[v])
+                if row < m:
+                    for u in T.unroll(2):
+                        for e in T.vectorized(8):
+                            x[row, col + u * 16 + hf * 8 + e] = xo[u * 8 + e]
+                T.wait_wgmma(0)
+                for i, n in T.Parallel(bm, NMIX):
+                    acc_hi[i, n] = T.ieee_add(
+                        T.ieee_add(T.ieee_add(T.ieee_add(acc_hi[i, n], sh0[i, n]), sh1[i, n]), sh2[i, n]), sh3[i, n]
+                    )
+                # stage st is free once every thread is past its reads (the wgmma reads ended at the wait)
+                if producer:
+                    T.mbarrier_arrive(b.empty[st])
+                else:
+                    T.sync_threads()
+                    if t + stages < total:
+                        issue(h, wlo, wmid, t + stages, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds,
+                              full)
+                if j >= lag:
+                    norm_chunk(x, w_s, nrow, ncol, c * bk, hf, xn, wv, red)
+                if c == nc - 1:
+                    # publish this slice's partials (Triton finish layout); xss last: the normalization
+                    # of this row block (one CTA each slice) waits for it
+                    for i, n in T.Parallel(bm, NMIX):
+                        ws[pslot(rb, i, s), n] = T.ieee_add(T.ieee_add(acc_hi[i, n], acc_mid[i, n]), acc_lo[i, n])
+                    # pairwise tree over the 32 chunk positions: within each run of 8 here (levels 1-3),
+                    # then (run0 + partner's run0) + (run1 + partner's run1) (levels 4-5)
+                    for lvl in T.unroll(3):
+                        for u in T.unroll(2):
+                            for v in T.unroll(4):
+                                if v < (4 >> lvl):
+                                    sq[u * 8 + v] = T.ieee_add(sq[u * 8 + 2 * v], sq[u * 8 + 2 * v + 1])
+                                    xq[u * 8 + v] = T.ieee_add(xq[u * 8 + 2 * v], xq[u * 8 + 2 * v + 1])
+                    red[0] = T.shfl_xor(sq[0], 1)
+                    red[1] = T.shfl_xor(sq[8], 1)
+                    sq[0] = T.ieee_add(T.ieee_add(sq[0], red[0]), T.ieee_add(sq[8], red[1]))
+                    red[0] = T.shfl_xor(xq[0], 1)
+                    red[1] = T.shfl_xor(xq[8], 1)
+                    xq[0] = T.ieee_add(T.ieee_add(xq[0], red[0]), T.ieee_add(xq[8], red[1]))
+                    if hf == 0:
+                        ss[pslot(rb, r, s)] = sq[0]
+                        T.atomic_store(xss[pslot(rb, r, s)], xq[0], memory_order="relaxed")
+            # the last ``lag`` row blocks of this CTA: normalized after the loop
+            for jj in T.serial(lag):
+                if nloc - lag + jj >= 0:
+                    rbn = g + ((nloc - lag + jj) * rings + ring if rings > 1 else nloc - lag + jj) * groups
+                    row_rstd(xss, rbn, r, pv, red)
+                    for c2 in T.serial(nc):
+                        load_chunk(x, rbn * bm + r, s * ds + c2 * bk, hf, xn)
+                        norm_chunk(x, w_s, rbn * bm + r, s * ds + c2 * bk, c2 * bk, hf, xn, wv, red)
+
+        return consume
+
     @T.prim_func
     def pre(
         h: T.Tensor((m, k_total), bf16),
@@ -248,25 +375,22 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                 mds = T.alloc_shared((stages, HC, NMIX, bk), bf16)
                 md0 = md1 = md2 = md3 = mds
             # stages: the four streams' [bm, 32] chunk of a row block and the lo part's [24, 32] chunks
-            a0 = T.alloc_shared((stages, bm, bk), bf16)
-            a1 = T.alloc_shared((stages, bm, bk), bf16)
-            a2 = T.alloc_shared((stages, bm, bk), bf16)
-            a3 = T.alloc_shared((stages, bm, bk), bf16)
-            lo0 = T.alloc_shared((stages, NMIX, bk), bf16)
-            lo1 = T.alloc_shared((stages, NMIX, bk), bf16)
-            lo2 = T.alloc_shared((stages, NMIX, bk), bf16)
-            lo3 = T.alloc_shared((stages, NMIX, bk), bf16)
-            full = T.alloc_barrier([32 if producer else threads] * stages)
+            a0 = T.alloc_shared((stages * rings, bm, bk), bf16)
+            a1 = T.alloc_shared((stages * rings, bm, bk), bf16)
+            a2 = T.alloc_shared((stages * rings, bm, bk), bf16)
+            a3 = T.alloc_shared((stages * rings, bm, bk), bf16)
+            lo0 = T.alloc_shared((stages * rings, NMIX, bk), bf16)
+            lo1 = T.alloc_shared((stages * rings, NMIX, bk), bf16)
+            lo2 = T.alloc_shared((stages * rings, NMIX, bk), bf16)
+            lo3 = T.alloc_shared((stages * rings, NMIX, bk), bf16)
+            full = T.alloc_barrier([32 if producer else threads] * (stages * rings))
             wbar = T.alloc_barrier([32 if producer else threads])
             if producer:
-                empty = T.alloc_barrier([consumers] * stages)
-            acc_hi = T.alloc_fragment((bm, NMIX), f32)
-            acc_mid = T.alloc_fragment((bm, NMIX), f32)
-            acc_lo = T.alloc_fragment((bm, NMIX), f32)
-            sh0 = T.alloc_fragment((bm, NMIX), f32)
-            sh1 = T.alloc_fragment((bm, NMIX), f32)
-            sh2 = T.alloc_fragment((bm, NMIX), f32)
-            sh3 = T.alloc_fragment((bm, NMIX), f32)
+                empty = T.alloc_barrier([consumers // rings] * (stages * rings))
+            # a ring's accumulators (each consumer warpgroup its own with two rings)
+            frags = []
+            for _ring in [0, 1][:rings]:
+                frags.append([T.alloc_fragment((bm, NMIX), f32) for _ in range(7)])
             # thread (r, hf) = (tx // 2, tx % 2) owns 16 columns of every chunk of row r (see HALF)
             sq = T.alloc_local((HALF,), f32)
             xq = T.alloc_local((HALF,), f32)
@@ -282,9 +406,6 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
             pv = T.alloc_local((S,), f32)
             red = T.alloc_local((2,), f32)
             tx = T.get_thread_binding()
-            c_tx = tx - 128 if producer else tx  # the thread's index among the consumers
-            r = c_tx // 2
-            hf = c_tx % 2
             nrb = T.ceildiv(m, bm)
             nloc = T.ceildiv(nrb - g, groups)  # row blocks of this CTA (0 when g >= nrb)
             total = nloc * nc
@@ -295,11 +416,14 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                         T.set_max_nreg(PRODUCER_REGS, 0)
                     if tx < 32:
                         resident(whi, wmid, s, hi0, hi1, hi2, hi3, md0, md1, md2, md3, wbar)
-                        for q in T.serial(total):
-                            st = q % stages
+                    if tx < 32 * rings:  # warp ``ring`` fills that ring
+                        ring = tx // 32 if rings > 1 else 0
+                        base = ring * stages if rings > 1 else 0
+                        for q in T.serial(T.ceildiv(nloc - ring, rings) * nc if rings > 1 else total):
+                            st = base + q % stages
                             if q >= stages:  # use n of a stage waits for the release of use n - 1
                                 T.mbarrier_wait_parity(empty[st], ((q // stages) + 1) % 2)
-                            issue(h, wlo, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds, full)
+                            issue(h, wlo, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds, full, ring)
             else:
                 resident(whi, wmid, s, hi0, hi1, hi2, hi3, md0, md1, md2, md3, wbar)
             if (not producer) or tx >= 128:
@@ -314,107 +438,18 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                         if p < total:
                             issue(h, wlo, wmid, p, p, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds, full)
                 T.mbarrier_wait_parity(wbar[0], 0)
-
-                for t in T.serial(total):
-                    st = t % stages
-                    j = t // nc
-                    c = t % nc
-                    rb = g + j * groups
-                    col = s * ds + c * bk
-                    row = rb * bm + r
-                    # the row block ``lag`` back: its rsqrt at chunk 0, one chunk normalized a step
-                    nrow = (rb - lag * groups) * bm + r
-                    ncol = col
-                    if j >= lag:
-                        if c == 0:
-                            row_rstd(xss, rb - lag * groups, r, pv, red)
-                        load_chunk(x, nrow, ncol, hf, xn)
-                    if c == 0:
-                        T.clear(acc_hi)
-                        T.clear(acc_mid)
-                        T.clear(acc_lo)
-                        for v in T.unroll(HALF):
-                            sq[v] = 0.0
-                            xq[v] = 0.0
-                        for k in T.unroll(HC):
-                            pr[k] = T.if_then_else(row < m, pre_prev[row, k], 0.0)
-                    T.mbarrier_wait_parity(full[st], (t // stages) % 2)
-                    # 12 async wgmma groups: hi from zero per stream, mid and lo chained over the slice
-                    stream_dots(a0, hi0, md0, mds, 0, lo0, sh0, acc_mid, acc_lo, st, c)
-                    stream_dots(a1, hi1, md1, mds, 1, lo1, sh1, acc_mid, acc_lo, st, c)
-                    stream_dots(a2, hi2, md2, mds, 2, lo2, sh2, acc_mid, acc_lo, st, c)
-                    stream_dots(a3, hi3, md3, mds, 3, lo3, sh3, acc_mid, acc_lo, st, c)
-                    # meanwhile: sums of squares and the collapse from the same shared tiles
-                    load_stream(a0, hv0, st, r, hf)
-                    load_stream(a1, hv1, st, r, hf)
-                    load_stream(a2, hv2, st, r, hf)
-                    load_stream(a3, hv3, st, r, hf)
-                    for v in T.unroll(HALF):
-                        sq[v] = T.ieee_fmaf(hv0[v], hv0[v], sq[v])
-                        sq[v] = T.ieee_fmaf(hv1[v], hv1[v], sq[v])
-                        sq[v] = T.ieee_fmaf(hv2[v], hv2[v], sq[v])
-                        sq[v] = T.ieee_fmaf(hv3[v], hv3[v], sq[v])
-                        xo[v] = T.cast(
-                            T.ieee_add(
-                                T.ieee_add(
-                                    T.ieee_add(T.ieee_mul(pr[0], hv0[v]), T.ieee_mul(pr[1], hv1[v])),
-                                    T.ieee_mul(pr[2], hv2[v]),
-                                ),
-                                T.ieee_mul(pr[3], hv3[v]),
-                            ),
-                            bf16,
-                        )
-                        xq[v] = T.ieee_fmaf(T.cast(xo[v], f32), T.cast(xo[v], f32), xq[v])
-                    if row < m:
-                        for u in T.unroll(2):
-                            for e in T.vectorized(8):
-                                x[row, col + u * 16 + hf * 8 + e] = xo[u * 8 + e]
-                    T.wait_wgmma(0)
-                    for i, n in T.Parallel(bm, NMIX):
-                        acc_hi[i, n] = T.ieee_add(
-                            T.ieee_add(T.ieee_add(T.ieee_add(acc_hi[i, n], sh0[i, n]), sh1[i, n]), sh2[i, n]), sh3[i, n]
-                        )
-                    # stage st is free once every thread is past its reads (the wgmma reads ended at the wait)
-                    if producer:
-                        T.mbarrier_arrive(empty[st])
-                    else:
-                        T.sync_threads()
-                        if t + stages < total:
-                            issue(h, wlo, wmid, t + stages, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds,
-                                  full)
-                    if j >= lag:
-                        norm_chunk(x, w_s, nrow, ncol, c * bk, hf, xn, wv, red)
-                    if c == nc - 1:
-                        # publish this slice's partials (Triton finish layout); xss last: the normalization
-                        # of this row block (one CTA each slice) waits for it
-                        for i, n in T.Parallel(bm, NMIX):
-                            ws[pslot(rb, i, s), n] = T.ieee_add(T.ieee_add(acc_hi[i, n], acc_mid[i, n]), acc_lo[i, n])
-                        # pairwise tree over the 32 chunk positions: within each run of 8 here (levels 1-3),
-                        # then (run0 + partner's run0) + (run1 + partner's run1) (levels 4-5)
-                        for lvl in T.unroll(3):
-                            for u in T.unroll(2):
-                                for v in T.unroll(4):
-                                    if v < (4 >> lvl):
-                                        sq[u * 8 + v] = T.ieee_add(sq[u * 8 + 2 * v], sq[u * 8 + 2 * v + 1])
-                                        xq[u * 8 + v] = T.ieee_add(xq[u * 8 + 2 * v], xq[u * 8 + 2 * v + 1])
-                        red[0] = T.shfl_xor(sq[0], 1)
-                        red[1] = T.shfl_xor(sq[8], 1)
-                        sq[0] = T.ieee_add(T.ieee_add(sq[0], red[0]), T.ieee_add(sq[8], red[1]))
-                        red[0] = T.shfl_xor(xq[0], 1)
-                        red[1] = T.shfl_xor(xq[8], 1)
-                        xq[0] = T.ieee_add(T.ieee_add(xq[0], red[0]), T.ieee_add(xq[8], red[1]))
-                        if hf == 0:
-                            ss[pslot(rb, r, s)] = sq[0]
-                            T.atomic_store(xss[pslot(rb, r, s)], xq[0], memory_order="relaxed")
-                # the last ``lag`` row blocks of this CTA: normalized after the loop
-                for jj in T.serial(lag):
-                    if nloc - lag + jj >= 0:
-                        rbn = g + (nloc - lag + jj) * groups
-                        row_rstd(xss, rbn, r, pv, red)
-                        for c2 in T.serial(nc):
-                            load_chunk(x, rbn * bm + r, s * ds + c2 * bk, hf, xn)
-                            norm_chunk(x, w_s, rbn * bm + r, s * ds + c2 * bk, c2 * bk, hf, xn, wv, red)
-
+                b = SimpleNamespace(
+                    io=(h, wlo, wmid, x, ws, ss, xss, pre_prev, w_s, s, g),
+                    smem=(a0, a1, a2, a3, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, md0, md1, md2, md3, mds),
+                    full=full, empty=empty if producer else None,
+                    regs=(sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red))
+                if rings == 1:
+                    consumer(0)(nloc, total, frags[0], tx - 128 if producer else tx, b)
+                else:  # warpgroup 1 takes the CTA's even row blocks, warpgroup 2 the odd ones
+                    if tx < 256:
+                        consumer(0)(T.ceildiv(nloc, 2), T.ceildiv(nloc, 2) * nc, frags[0], tx - 128, b)
+                    if tx >= 256:
+                        consumer(1)(T.ceildiv(nloc - 1, 2), T.ceildiv(nloc - 1, 2) * nc, frags[1], tx - 256, b)
     return pre
 
 
