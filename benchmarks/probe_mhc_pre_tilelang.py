@@ -19,14 +19,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def child(m: int, name: str) -> dict:
+def _inputs(m: int):
+    """V4.1-Flash mhc_pre inputs at M = m: ``(h, pre_prev, parts, sliced parts, scale, base, norm weight)``."""
     import torch
 
-    sys.path.insert(0, str(ROOT))
-    from benchmarks.common import time_ms
     from dsv41_passes.lowering.mhc_weights import build_parts, slice_major
-    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
-    from dsv41_passes.lowering.triton import mhc as tk
 
     g = torch.Generator(device="cuda").manual_seed(m)
     d, k = 5120, 20480
@@ -37,7 +34,18 @@ def child(m: int, name: str) -> dict:
     pp = torch.rand(m, 4, device="cuda", generator=g) + 0.1
     w = torch.rand(d, device="cuda", generator=g) + 0.5
     parts = build_parts(fn)
-    sliced = slice_major(parts, d, 24)
+    return h, pp, parts, slice_major(parts, d, 24), scale, base, w
+
+
+def child(m: int, name: str) -> dict:
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.common import time_ms
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+    from dsv41_passes.lowering.triton import mhc as tk
+
+    h, pp, parts, sliced, scale, base, w = _inputs(m)
     cfg = tlp.CONFIGS[name]
     out: dict = {"m": m, "config": name}
     tcfg = tk.default_config("mhc_pre")  # split 1: the numerics the TileLang kernel shares
@@ -61,20 +69,10 @@ def together(m: int, names: list[str], rounds: int) -> list[dict]:
 
     sys.path.insert(0, str(ROOT))
     from benchmarks.common import time_interleaved
-    from dsv41_passes.lowering.mhc_weights import build_parts, slice_major
     from dsv41_passes.lowering.tilelang import mhc_pre as tlp
     from dsv41_passes.lowering.triton import mhc as tk
 
-    g = torch.Generator(device="cuda").manual_seed(m)
-    d, k = 5120, 20480
-    h = torch.randn(m, 4, d, device="cuda", generator=g).bfloat16()
-    fn = torch.randn(24, k, device="cuda", generator=g) / k**0.5
-    scale = torch.rand(3, device="cuda", generator=g) + 0.5
-    base = torch.randn(24, device="cuda", generator=g) * 0.5
-    pp = torch.rand(m, 4, device="cuda", generator=g) + 0.1
-    w = torch.rand(d, device="cuda", generator=g) + 0.5
-    parts = build_parts(fn)
-    sliced = slice_major(parts, d, 24)
+    h, pp, parts, sliced, scale, base, w = _inputs(m)
     tcfg = tk.default_config("mhc_pre")
     args = (scale, base, w, 20, 1e-6, 1e-6, 1e-6)
     fns = {"triton": lambda: tk.mhc_pre(h, pp, parts, *args, batch_invariant=False, config=tcfg)}
