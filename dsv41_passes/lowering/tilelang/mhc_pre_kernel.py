@@ -38,8 +38,7 @@ resident or, with another kernel on the device, scheduled once that kernel's blo
 
 Where the time goes (Nsight Compute, run 43, M = 16384): one warpgroup a SM issues an instruction every
 3 cycles a scheduler (34% of the stall samples issuing, 24% waiting on fixed-latency dependencies, 13%
-each at barriers and on loads); DRAM 47%, L2 68% busy. A faster version needs more warps a SM that do
-not step together (a producer warp, two consumer warpgroups on alternate row blocks), not this schedule.
+each at barriers and on loads); DRAM 47%, L2 68% busy.
 
 The producer warpgroup (configs ``*-producer``, ``build(producer=True)``, the default since run 107): a
 warpgroup of its own issues the copies (warp 0), so the consumer warpgroups no longer sync the CTA at each
@@ -47,8 +46,11 @@ step or issue TMA; they release a stage on the mbarrier ``empty`` once its wgmma
 The arithmetic and its order are unchanged. With two consumer warpgroups (384 threads) the registers move to
 them by ``setmaxnreg`` (24 / 240). It took the op from 1.86 to 1.60 ms at M = 65536 (run 107), about the
 Triton kernel's time. Two consumer warpgroups on alternate row blocks, each with a ring of its own
-(``rings=2``), measured slower again (1.98 ms, run 108), so a second warpgroup stepping beside the first is
-not what this kernel lacks; which unit it waits on is not profiled yet.
+(``rings=2``), measured slower again (1.98 ms, run 108). Run 109's profile (M = 16384) has it moving about
+1.55 GB through DRAM against 1.04 GB with one warpgroup: a ring's ``lag`` counts its own row blocks, so twice
+as much un-normalized x waits in L2, and the extra bytes suggest that x goes out to DRAM and back. With lag 1
+the two rings took 1.656 ms, and one warpgroup with lag 3 took 1.983 (run 110). So the kernel is bound by
+that round trip, not by issue.
 """
 
 # No ``from __future__ import annotations``: TileLang evaluates the prim_func annotations.
@@ -226,6 +228,10 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
             T.tma_copy(wmid[s, 3, :, :], md3, barrier=wbar[0], leader_scope_threads=lead)
         T.mbarrier_arrive(wbar[0])
 
+    def ring_blocks(nloc, ring):
+        """Row blocks of ``ring`` among the CTA's ``nloc`` (blocks ring, ring + rings, ...)."""
+        return T.ceildiv(nloc - ring, rings) if rings > 1 else nloc
+
     def consumer(ring):
         """The consumer loop of one ring (trace-time ``ring``): its warpgroup's row blocks j = local * rings + ring
         of the CTA (``nloc`` of them), ``lt`` the thread's index in the warpgroup, ``fr`` its accumulators, ``b``
@@ -234,7 +240,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         back = groups * rings  # row blocks of the CTA's sequence between two of this ring's
 
         @T.macro
-        def consume(nloc, total, fr, lt, b):
+        def consume(nloc, fr, lt, b):
             acc_hi, acc_mid, acc_lo, sh0, sh1, sh2, sh3 = fr
             h, wlo, wmid, x, ws, ss, xss, pre_prev, w_s, s, g = b.io
             a0, a1, a2, a3, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, md0, md1, md2, md3, mds = b.smem
@@ -242,7 +248,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
             sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red = b.regs
             r = lt // 2
             hf = lt % 2
-            for t in T.serial(total):
+            for t in T.serial(nloc * nc):
                 st = base + t % stages
                 j = t // nc
                 c = t % nc
@@ -306,7 +312,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                     T.mbarrier_arrive(b.empty[st])
                 else:
                     T.sync_threads()
-                    if t + stages < total:
+                    if t + stages < nloc * nc:
                         issue(h, wlo, wmid, t + stages, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds,
                               full)
                 if j >= lag:
@@ -419,7 +425,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                     if tx < 32 * rings:  # warp ``ring`` fills that ring
                         ring = tx // 32 if rings > 1 else 0
                         base = ring * stages if rings > 1 else 0
-                        for q in T.serial(T.ceildiv(nloc - ring, rings) * nc if rings > 1 else total):
+                        for q in T.serial(ring_blocks(nloc, ring) * nc):
                             st = base + q % stages
                             if q >= stages:  # use n of a stage waits for the release of use n - 1
                                 T.mbarrier_wait_parity(empty[st], ((q // stages) + 1) % 2)
@@ -444,12 +450,12 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                     full=full, empty=empty if producer else None,
                     regs=(sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red))
                 if rings == 1:
-                    consumer(0)(nloc, total, frags[0], tx - 128 if producer else tx, b)
+                    consumer(0)(nloc, frags[0], tx - 128 if producer else tx, b)
                 else:  # warpgroup 1 takes the CTA's even row blocks, warpgroup 2 the odd ones
                     if tx < 256:
-                        consumer(0)(T.ceildiv(nloc, 2), T.ceildiv(nloc, 2) * nc, frags[0], tx - 128, b)
+                        consumer(0)(ring_blocks(nloc, 0), frags[0], tx - 128, b)
                     if tx >= 256:
-                        consumer(1)(T.ceildiv(nloc - 1, 2), T.ceildiv(nloc - 1, 2) * nc, frags[1], tx - 256, b)
+                        consumer(1)(ring_blocks(nloc, 1), frags[1], tx - 256, b)
     return pre
 
 
