@@ -6,6 +6,7 @@ wait that never completes) costs the rest of that config only.
 
     source .devsite/setup.sh && python3 benchmarks/probe_mhc_pre_tilelang.py [--m 4096 65536]
     ... --together --configs wg1-producer wg1x2-producer: one process, the ops and the Triton op timed in turn
+    ... --variant NAME='{"by_stream": true}' --configs NAME: a config defined for this run only
 """
 
 from __future__ import annotations
@@ -85,6 +86,16 @@ def together(m: int, names: list[str], rounds: int) -> list[dict]:
     return [{"m": m, "config": n, "same_bits": same[n], "ms_median": t[0], "ms_min": t[1]} for n, t in times.items()]
 
 
+def define_variants(specs: list[str]) -> None:
+    """``NAME=JSON``: ``mhc_pre.CONFIGS[NAME]`` = the default config updated with the JSON build options."""
+    sys.path.insert(0, str(ROOT))
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+
+    for spec in specs:
+        name, _, opts = spec.partition("=")
+        tlp.CONFIGS[name] = dict(tlp.DEFAULT_CONFIG, **json.loads(opts))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, nargs="+", default=[4096, 4097, 65536, 16384, 1024, 128, 1])
@@ -94,7 +105,10 @@ def main() -> None:
     ap.add_argument("--together", action="store_true",
                     help="one process: every config and the Triton op timed in turn at each M")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                    help="a config for this run only: the default config with these build options, usable in --configs")
     args = ap.parse_args()
+    define_variants(args.variant)
     if args.together:
         rows = [r for m in args.m for r in together(m, args.configs, args.rounds)]
         print("\n| M | op | same bits as Triton | ms (median) | ms (min) |\n|---|---|---|---|---|")
@@ -107,7 +121,8 @@ def main() -> None:
         return
     rows = []
     for name in args.configs:
-        cmd = [sys.executable, __file__, "--child", name, "--m", *map(str, args.m)]
+        cmd = [sys.executable, __file__, "--child", name, "--m", *map(str, args.m),
+               *[a for v in args.variant for a in ("--variant", v)]]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.limit)
             stdout, err = proc.stdout, proc.stderr[-1500:] if proc.returncode else ""

@@ -11,6 +11,7 @@ launches are the steady-state binaries (M is a runtime argument: the same binary
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -55,15 +56,35 @@ def launches(m: int) -> dict:
     }
 
 
+def _tilelang_pre(m: int, cfg: dict):
+    from benchmarks.quick_check import mhc_inputs
+    from dsv41_passes.lowering.mhc_weights import slice_major
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+
+    t = mhc_inputs(m)
+    sliced = slice_major(t["parts"], 5120, 24)
+    return lambda: tlp.partials(t["h"], t["pre_prev"], sliced, t["w"], 1e-6, config=cfg)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, default=65536)
     ap.add_argument("--only", nargs="*")
+    ap.add_argument("--mhc-config", action="append", default=[], metavar="NAME=JSON",
+                    help="also profile the TileLang mhc_pre with the default config updated by these build options")
     args = ap.parse_args()
     import dsv41_passes  # noqa: F401
 
     warm = launches(256)
     big = launches(args.m)
+    if args.mhc_config:
+        from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+
+        for spec in args.mhc_config:
+            name, _, opts = spec.partition("=")
+            cfg = dict(tlp.DEFAULT_CONFIG, **json.loads(opts))
+            for table, m in ((warm, 256), (big, args.m)):
+                table[name] = _tilelang_pre(m, cfg)
     names = args.only or list(big)
     for n in names:
         warm[n]()

@@ -310,13 +310,13 @@ def _tilelang_stats(h, fn, scale, base, iters, hc_eps, norm_eps, *, batch_invari
 
 
 # The persistent TileLang mhc_pre (prefill sizes) runs from this token count up, outside batch-invariant
-# mode; None (the default) keeps it off: it gives the Triton kernel's bits but measured slower at every M
-# on the H200 (the whole op, timed in turn with the Triton op: 1.614 vs 1.603 ms at M = 65536, 0.416 vs 0.413
-# at 16384, 0.116 vs 0.112 at 4096; benchmarks/results/run108-probe_mhc_pre-together.log; 1.85 vs 1.63 ms at
-# 65536 before its producer warpgroup, run 43).
-# DSV41_MHC_PRE_TILELANG_MIN_M sets it from the environment.
-_ENV_MIN_M = os.environ.get("DSV41_MHC_PRE_TILELANG_MIN_M")
-TILELANG_PRE_MIN_M: int | None = int(_ENV_MIN_M) if _ENV_MIN_M else None
+# mode; None keeps it off. It gives the Triton kernel's bits. The whole op, timed in turn with the Triton op on
+# the H200 (benchmarks/results/run115-probe_mhc_pre-norm-in-mma.log, ms): 1.467 vs 1.628 at M = 65536, 0.380 vs
+# 0.415 at 16384, 0.195 vs 0.214 at 8192, 0.106 vs 0.112 at 4096, but 0.113 vs 0.112 at 4097 (a CTA has one row
+# block more than others: a lead of 5% does not cover that below 8192) and 0.021 vs 0.019 at M = 1.
+# DSV41_MHC_PRE_TILELANG_MIN_M sets it from the environment ("off": never).
+_ENV_MIN_M = os.environ.get("DSV41_MHC_PRE_TILELANG_MIN_M", "8192")
+TILELANG_PRE_MIN_M: int | None = None if _ENV_MIN_M.lower() in ("off", "none", "") else int(_ENV_MIN_M)
 
 
 def _tilelang_pre_ok(h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, *, batch_invariant):
@@ -326,7 +326,7 @@ def _tilelang_pre_ok(h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_e
     if why:
         return why
     if TILELANG_PRE_MIN_M is None:
-        return "off by default (slower than the Triton kernel on the H200; TILELANG_PRE_MIN_M enables it)"
+        return "off (TILELANG_PRE_MIN_M is None; DSV41_MHC_PRE_TILELANG_MIN_M=off)"
     if batch_invariant:
         return "batch-invariant mode runs one kernel at every M (the Triton one)"
     if m_below(h.shape[0], TILELANG_PRE_MIN_M):

@@ -78,14 +78,15 @@ def test_kernel_rejects_what_it_cannot_run():
     assert tlp.groups_for(132) == 8 and tlp.groups_for(114) == 7 and tlp.groups_for(8) == 1
 
 
-@pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-producer"])
+@pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-producer", "wg1-split"])
 def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     """The sm_90a build: one wgmma shape (m64n24k16, the 24 mix columns unpadded), rounding spelled out
     (no contraction: nvcc --fmad=false and explicit __f*_rn), the residual loads by TMA with the
     evict-first hint, no register spills, and the shared memory within the 227 KiB an SM gives a block.
     With a producer warpgroup: warp 0 alone issues the copies, each stage's reuse waits for the consumers'
     release, and after the set-up no barrier takes the whole CTA. With two stage rings: warp 1 fills the second,
-    and each consumer warpgroup has a loop of its own (its own wgmma, 12 a step)."""
+    and each consumer warpgroup has a loop of its own (its own wgmma, 12 a step). With split roles: warpgroup 1
+    issues every wgmma, warpgroup 2 stores x and publishes the norm partials."""
     pytest.importorskip("tilelang")
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not installed: TileLang cannot build the sm_90a cubin")
@@ -95,8 +96,9 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     cfg = tlp.CONFIGS[name]
     producer = cfg.get("producer", False)
     rings = cfg.get("rings", 1)
-    k = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, cfg["stages"], cfg["wgs"], producer=producer, rings=rings),
-                           producer)
+    split = cfg.get("split_roles", False)
+    k = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, cfg["stages"], cfg["wgs"], producer=producer, rings=rings,
+                                     split_roles=split), producer)
     src = k.get_kernel_source()
     if producer:
         assert src.count("__syncthreads()") == 1  # the barriers' initialization
@@ -109,7 +111,11 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
             assert "empty[(((((int)threadIdx.x) >> 5) * 2) + (q & 1))].wait(" in src
             assert "if (((int)threadIdx.x) < 256) {" in src and "if (256 <= ((int)threadIdx.x)) {" in src
         # two consumer warpgroups (384 threads) need registers moved to them; one (256) has them already
-        assert ("warpgroup_reg_alloc<240>" in src) == (cfg["wgs"] * rings == 2)
+        assert ("warpgroup_reg_alloc<240>" in src) == (cfg["wgs"] * rings * (2 if split else 1) == 2)
+        if split:
+            dots, rest = src.split("if (256 <= ((int)threadIdx.x)) {")
+            assert "if (((int)threadIdx.x) < 256) {" in dots and "wgmma_ss<" not in rest
+            assert "AtomicStore" in rest and "AtomicStore" not in dots.split("if (((int)threadIdx.x) < 256) {")[1]
     shapes = set(re.findall(r"wgmma_ss<[^>]*kFloat32, (\d+), (\d+), (\d+),", src))
     assert shapes == {("64", "24", "16")}, shapes
     assert src.count("wgmma_ss<") == 12 * rings  # 4 streams x (hi, mid, lo) a step
@@ -147,7 +153,7 @@ def _skip_without_tilelang():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-producer"])
+@pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-producer", "wg1-split"])
 @pytest.mark.parametrize("m", [1, 4096, 4097, 65536])
 def test_gpu_matches_the_triton_kernel(m, name):
     """x, pre, post and comb against the Triton mhc_pre; bitwise is the goal (same numerics, n24 instead
@@ -195,9 +201,23 @@ def test_gpu_one_binary_for_every_m_and_rows_independent():
     assert len(tlp._KERNELS) == before
 
 
-def test_provider_is_off_by_default(monkeypatch):
-    """Slower than the Triton kernel on the H200: the op keeps it off unless TILELANG_PRE_MIN_M is set."""
+def test_configs_are_whole():
+    """A config is taken as it is: one without split roles does not inherit them from the default."""
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+
+    assert tlp.DEFAULT_CONFIG.get("split_roles") and not tlp.CONFIGS["wg2-producer"].get("split_roles")
+    with pytest.raises(ValueError, match="wgs and stages"):
+        tlp.partials(torch.empty(1, 4, FLASH_D, dtype=torch.bfloat16), torch.empty(1, 4), None, None, 1e-6,
+                     config={"lag": 1}, groups=1)
+
+
+def test_provider_runs_from_its_threshold(monkeypatch):
+    """On by default from M = 8192 (measured faster than the Triton op there, slower at decode sizes); off when
+    TILELANG_PRE_MIN_M is None; never in batch-invariant mode."""
     from dsv41_passes.lowering import mhc as ops
+
+    if "DSV41_MHC_PRE_TILELANG_MIN_M" not in __import__("os").environ:
+        assert ops.TILELANG_PRE_MIN_M == 8192
 
     monkeypatch.setattr(registry, "tilelang_available", lambda t: None)
     m = 8192
@@ -205,9 +225,10 @@ def test_provider_is_off_by_default(monkeypatch):
     args = (h, torch.empty(m, 4, device="meta"), torch.empty(24, 4 * FLASH_D, device="meta"), torch.empty(3),
             torch.empty(24), torch.empty(FLASH_D, device="meta"), ITERS, HC_EPS, NORM_EPS, EPS)
     monkeypatch.setattr(ops, "TILELANG_PRE_MIN_M", None)
-    assert "off by default" in ops._tilelang_pre_ok(*args, batch_invariant=False)
-    monkeypatch.setattr(ops, "TILELANG_PRE_MIN_M", 4096)
+    assert "off" in ops._tilelang_pre_ok(*args, batch_invariant=False)
+    monkeypatch.setattr(ops, "TILELANG_PRE_MIN_M", 8192)
     assert ops._tilelang_pre_ok(*args, batch_invariant=False) is None
+    assert "decode sizes" in ops._tilelang_pre_ok(*(h[:8191], *args[1:]), batch_invariant=False)
     assert "batch-invariant" in ops._tilelang_pre_ok(*args, batch_invariant=True)
     assert "decode sizes" in ops._tilelang_pre_ok(*(h[:100], *args[1:]), batch_invariant=False)
     assert "float32 RMSNorm weight" in ops._tilelang_pre_ok(*args[:5], None, *args[6:], batch_invariant=False)

@@ -1,7 +1,8 @@
 """TileLang ``mhc_pre`` for prefill sizes (sm_90a): one persistent kernel, one read of the residual, the
 collapse + RMSNorm written to HBM once (``mhc_pre_kernel``), then the Triton finish kernel on its partials.
-Off by default (``lowering.mhc.TILELANG_PRE_MIN_M``): it gives the Triton kernel's bits, but on the H200 it
-measured slower: 10-20% in runs 40-45, 0.7-4% with the producer warpgroup (run 108, ``docs/performance.md``).
+It gives the Triton kernel's bits. The op runs it from ``lowering.mhc.TILELANG_PRE_MIN_M`` (8192) tokens up:
+with split roles (``wg1-split``, the default since run 115) it measured 5-10% faster than the Triton op from
+M = 4096 up on the H200, and slower at decode sizes (``docs/performance.md``).
 Here: the launch configs, the compiled-kernel cache, the input checks and the host wrappers.
 """
 
@@ -43,16 +44,17 @@ def unsupported(h: torch.Tensor) -> str | None:
     return None
 
 
-def _kernel(d: int, groups: int, eps: float, stages: int, wgs: int, lag: int, mid_resident: bool,
-            producer: bool = False, rings: int = 1):
-    key = (d, groups, float(eps), stages, wgs, lag, mid_resident, producer, rings)
+def _kernel(d: int, groups: int, eps: float, cfg: dict):
+    """The compiled kernel of a config (``build``'s keyword arguments), once per process."""
+    opts = dict(cfg)
+    opts.setdefault("lag", LAG)
+    key = (d, groups, float(eps), tuple(sorted(opts.items())))
     k = _KERNELS.get(key)
     if k is None:
         with _LOCK:
             k = _KERNELS.get(key)
             if k is None:
-                k = _KERNELS[key] = compile_kernel(
-                    build(d, groups, float(eps), stages, wgs, lag, mid_resident, producer, rings), producer)
+                k = _KERNELS[key] = compile_kernel(build(d, groups, float(eps), **opts), opts.get("producer", False))
     return k
 
 
@@ -70,14 +72,20 @@ CONFIGS = {
     # run108-probe_mhc_pre-together.log: 1.982 / 0.498 / 0.125 ms at 65536 / 16384 / 4096 against 1.614 / 0.416 /
     # 0.116 for wg1-producer, timed in turn
     "wg1x2-producer": dict(wgs=1, stages=2, lag=LAG, producer=True, rings=2),
+    # one warpgroup issues the dots, another does the sums of squares, collapse and norm of the same row block
+    # run115-probe_mhc_pre-norm-in-mma.log (the op, timed in turn, ms at 65536 / 16384 / 4096 / 4097): 1.467 / 0.380 /
+    # 0.106 / 0.113 against 1.580 / 0.404 / 0.113 / 0.121 for wg1-producer and 1.628 / 0.415 / 0.112 / 0.112 Triton
+    "wg1-split": dict(wgs=1, stages=4, lag=LAG, producer=True, split_roles=True),
 }
-DEFAULT_CONFIG = CONFIGS["wg1-producer"]
+DEFAULT_CONFIG = CONFIGS["wg1-split"]
 
 
 def partials(h, pre_prev, sliced, weight, eps: float, *, config: dict | None = None, groups: int | None = None):
     """The persistent kernel alone: ``x [M, d]`` (collapse + RMSNorm) and the slice partials ``ws, ss``
     in the Triton finish kernel's layout (64-row blocks, 16 slices)."""
-    cfg = dict(DEFAULT_CONFIG, **(config or {}))
+    cfg = dict(DEFAULT_CONFIG if config is None else config)  # a whole config (a ``CONFIGS`` entry)
+    if "wgs" not in cfg or "stages" not in cfg:
+        raise ValueError(f"TileLang mhc_pre: a config names at least wgs and stages, got {config!r}")
     m, n, d = h.shape
     dev = h.device
     if groups is None:
@@ -92,8 +100,7 @@ def partials(h, pre_prev, sliced, weight, eps: float, *, config: dict | None = N
     if m == 0:
         return x, ws, ss
     xss = torch.full((rows,), SENTINEL, **f32)
-    _kernel(d, groups, eps, cfg["stages"], cfg["wgs"], cfg.get("lag", LAG), cfg.get("mid_resident", True),
-            cfg.get("producer", False), cfg.get("rings", 1))(
+    _kernel(d, groups, eps, cfg)(
         h.view(m, n * d), sliced[0], sliced[1], sliced[2], pre_prev.contiguous(), weight.contiguous(),
         x, ws, ss, xss,
     )

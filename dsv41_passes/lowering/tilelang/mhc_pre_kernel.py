@@ -1,6 +1,6 @@
 """The TileLang ``mhc_pre`` kernel (sm_90a): one persistent kernel, one read of the residual, the
-collapse + RMSNorm written to HBM once. Off by default (``lowering.mhc.TILELANG_PRE_MIN_M``): it gives the
-Triton kernel's bits, but on the H200 it measured slower (``mhc_pre.CONFIGS``, ``docs/performance.md``).
+collapse + RMSNorm written to HBM once. It gives the Triton kernel's bits; the op runs it from
+``lowering.mhc.TILELANG_PRE_MIN_M`` tokens up (``mhc_pre.CONFIGS``, ``docs/performance.md``).
 
 Why a second kernel beside the Triton one: that kernel reloads its K slice's weight parts from L2 for
 every 64-row block (1.5 times the bytes of the residual tile: L2 73% busy in run 33) and writes the
@@ -51,6 +51,15 @@ Triton kernel's time. Two consumer warpgroups on alternate row blocks, each with
 as much un-normalized x waits in L2, and the extra bytes suggest that x goes out to DRAM and back. With lag 1
 the two rings took 1.656 ms, and one warpgroup with lag 3 took 1.983 (run 110). So the kernel is bound by
 that round trip, not by issue.
+
+Split roles (``split_roles=True``, config ``wg1-split``, the default since run 115): the producer warpgroup and two
+consumer warpgroups on the same row block, warpgroup 1 issuing the 12 dots and summing the hi parts, warpgroup 2
+doing the sums of squares, the collapse and the norm; both release each stage. Alone (run 113) this gained little:
+Nsight Compute's source view showed the other warpgroup's wait had been the pre weights, loaded at a row block's
+first step and used at once (one DRAM latency a block). They are loaded a block ahead now; with both, the op took
+1.467 ms at M = 65536 and 0.380 at 16384 against 1.580 / 0.404 for ``wg1-producer`` (run 115). The wgmma
+descriptors, rebuilt from the shared address for every dot, were a fifth of the stall samples with one warpgroup,
+but building them once (run 112) gained 1%: that code is not kept.
 """
 
 # No ``from __future__ import annotations``: TileLang evaluates the prim_func annotations.
@@ -96,7 +105,7 @@ def _n24():
 
 # ----------------------------------------------------------------------------- kernel
 def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: int = 1, lag: int = LAG,
-          mid_resident: bool = True, producer: bool = False, rings: int = 1):
+          mid_resident: bool = True, producer: bool = False, rings: int = 1, split_roles: bool = False):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
@@ -105,7 +114,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     released them, barrier ``empty``), so the consumers neither issue copies nor sync the CTA at each step);
     ``rings`` 2 (with a producer, one warpgroup a row block): two consumer warpgroups take alternate row blocks
     of the CTA, each with a stage ring of its own filled by a producer warp of its own (warp 0 or 1), so they
-    do not step together.
+    do not step together; ``split_roles`` (with a producer, one warpgroup a row block, one ring): two consumer
+    warpgroups on the same row block, one issuing the dots and summing the hi parts, the other computing the sums of
+    squares, the collapse and the norm, so neither waits behind the other's instructions.
 
     Arguments: ``h [M, 4d]`` bf16, ``hi/mid/lo [16, 4, 24, d/16]`` bf16 (slice-major parts), ``pre_prev
     [M, 4]`` f32, ``w [d]`` f32 -> ``x [M, d]`` bf16 (normalized), ``ws [nrb*16*64, 24]``, ``ss``,
@@ -119,7 +130,10 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     k_total = HC * d
     if rings not in (1, 2) or (rings == 2 and (not producer or wgs != 1)):
         raise ValueError("TileLang mhc_pre: two stage rings need a producer warpgroup and one warpgroup a row block")
-    consumers = 128 * wgs * rings
+    if split_roles and (not producer or wgs != 1 or rings != 1):
+        raise ValueError("TileLang mhc_pre: split roles need a producer warpgroup, one warpgroup a row block and "
+                         "one ring")
+    consumers = 128 * wgs * rings * (2 if split_roles else 1)
     threads = consumers + (128 if producer else 0)
     lead = 32 if producer else None  # the threads a TMA issue elects its thread from
     # registers move to the consumers only where the launch gives a thread fewer than they need
@@ -232,10 +246,13 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         """Row blocks of ``ring`` among the CTA's ``nloc`` (blocks ring, ring + rings, ...)."""
         return T.ceildiv(nloc - ring, rings) if rings > 1 else nloc
 
-    def consumer(ring):
+    def consumer(ring, role="both"):
         """The consumer loop of one ring (trace-time ``ring``): its warpgroup's row blocks j = local * rings + ring
         of the CTA (``nloc`` of them), ``lt`` the thread's index in the warpgroup, ``fr`` its accumulators, ``b``
-        the kernel's buffers and indices."""
+        the kernel's buffers and indices; ``role``: "both", or with split roles "mma" (the dots, the hi sums and the
+        mix partials) or "vec" (the rest)."""
+        mma = role != "vec"
+        vec = role != "mma"
         base = ring * stages if rings > 1 else 0  # the ring's first stage
         back = groups * rings  # row blocks of the CTA's sequence between two of this ring's
 
@@ -245,9 +262,13 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
             h, wlo, wmid, x, ws, ss, xss, pre_prev, w_s, s, g = b.io
             a0, a1, a2, a3, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, md0, md1, md2, md3, mds = b.smem
             full = b.full
-            sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red = b.regs
+            sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red, prn = b.regs
             r = lt // 2
             hf = lt % 2
+            if vec:  # the first row block's pre weights (``prn``: the next block's, loaded a block ahead)
+                row0 = (g + (ring if rings > 1 else 0) * groups) * bm + r
+                for k in T.unroll(HC):
+                    prn[k] = T.if_then_else(row0 < m, pre_prev[row0, k], 0.0)
             for t in T.serial(nloc * nc):
                 st = base + t % stages
                 j = t // nc
@@ -258,55 +279,64 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                 # the row block ``lag`` back: its rsqrt at chunk 0, one chunk normalized a step
                 nrow = (rb - lag * back) * bm + r
                 ncol = col
-                if j >= lag:
+                if vec and j >= lag:
                     if c == 0:
                         row_rstd(xss, rb - lag * back, r, pv, red)
                     load_chunk(x, nrow, ncol, hf, xn)
                 if c == 0:
-                    T.clear(acc_hi)
-                    T.clear(acc_mid)
-                    T.clear(acc_lo)
-                    for v in T.unroll(HALF):
-                        sq[v] = 0.0
-                        xq[v] = 0.0
-                    for k in T.unroll(HC):
-                        pr[k] = T.if_then_else(row < m, pre_prev[row, k], 0.0)
+                    if mma:
+                        T.clear(acc_hi)
+                        T.clear(acc_mid)
+                        T.clear(acc_lo)
+                    if vec:
+                        for v in T.unroll(HALF):
+                            sq[v] = 0.0
+                            xq[v] = 0.0
+                        # this block's pre weights were loaded a block ahead (loaded here, their latency stalled
+                        # the step: 6% of the op at M = 16384, run 114); load the next block's
+                        for k in T.unroll(HC):
+                            pr[k] = prn[k]
+                        for k in T.unroll(HC):
+                            prn[k] = T.if_then_else(row + back * bm < m, pre_prev[row + back * bm, k], 0.0)
                 T.mbarrier_wait_parity(full[st], (t // stages) % 2)
                 # 12 async wgmma groups: hi from zero per stream, mid and lo chained over the slice
-                stream_dots(a0, hi0, md0, mds, 0, lo0, sh0, acc_mid, acc_lo, st, c)
-                stream_dots(a1, hi1, md1, mds, 1, lo1, sh1, acc_mid, acc_lo, st, c)
-                stream_dots(a2, hi2, md2, mds, 2, lo2, sh2, acc_mid, acc_lo, st, c)
-                stream_dots(a3, hi3, md3, mds, 3, lo3, sh3, acc_mid, acc_lo, st, c)
+                if mma:
+                    stream_dots(a0, hi0, md0, mds, 0, lo0, sh0, acc_mid, acc_lo, st, c)
+                    stream_dots(a1, hi1, md1, mds, 1, lo1, sh1, acc_mid, acc_lo, st, c)
+                    stream_dots(a2, hi2, md2, mds, 2, lo2, sh2, acc_mid, acc_lo, st, c)
+                    stream_dots(a3, hi3, md3, mds, 3, lo3, sh3, acc_mid, acc_lo, st, c)
                 # meanwhile: sums of squares and the collapse from the same shared tiles
-                load_stream(a0, hv0, st, r, hf)
-                load_stream(a1, hv1, st, r, hf)
-                load_stream(a2, hv2, st, r, hf)
-                load_stream(a3, hv3, st, r, hf)
-                for v in T.unroll(HALF):
-                    sq[v] = T.ieee_fmaf(hv0[v], hv0[v], sq[v])
-                    sq[v] = T.ieee_fmaf(hv1[v], hv1[v], sq[v])
-                    sq[v] = T.ieee_fmaf(hv2[v], hv2[v], sq[v])
-                    sq[v] = T.ieee_fmaf(hv3[v], hv3[v], sq[v])
-                    xo[v] = T.cast(
-                        T.ieee_add(
+                if vec:
+                    load_stream(a0, hv0, st, r, hf)
+                    load_stream(a1, hv1, st, r, hf)
+                    load_stream(a2, hv2, st, r, hf)
+                    load_stream(a3, hv3, st, r, hf)
+                    for v in T.unroll(HALF):
+                        sq[v] = T.ieee_fmaf(hv0[v], hv0[v], sq[v])
+                        sq[v] = T.ieee_fmaf(hv1[v], hv1[v], sq[v])
+                        sq[v] = T.ieee_fmaf(hv2[v], hv2[v], sq[v])
+                        sq[v] = T.ieee_fmaf(hv3[v], hv3[v], sq[v])
+                        xo[v] = T.cast(
                             T.ieee_add(
-                                T.ieee_add(T.ieee_mul(pr[0], hv0[v]), T.ieee_mul(pr[1], hv1[v])),
-                                T.ieee_mul(pr[2], hv2[v]),
+                                T.ieee_add(
+                                    T.ieee_add(T.ieee_mul(pr[0], hv0[v]), T.ieee_mul(pr[1], hv1[v])),
+                                    T.ieee_mul(pr[2], hv2[v]),
+                                ),
+                                T.ieee_mul(pr[3], hv3[v]),
                             ),
-                            T.ieee_mul(pr[3], hv3[v]),
-                        ),
-                        bf16,
-                    )
-                    xq[v] = T.ieee_fmaf(T.cast(xo[v], f32), T.cast(xo[v], f32), xq[v])
-                if row < m:
-                    for u in T.unroll(2):
-                        for e in T.vectorized(8):
-                            x[row, col + u * 16 + hf * 8 + e] = xo[u * 8 + e]
-                T.wait_wgmma(0)
-                for i, n in T.Parallel(bm, NMIX):
-                    acc_hi[i, n] = T.ieee_add(
-                        T.ieee_add(T.ieee_add(T.ieee_add(acc_hi[i, n], sh0[i, n]), sh1[i, n]), sh2[i, n]), sh3[i, n]
-                    )
+                            bf16,
+                        )
+                        xq[v] = T.ieee_fmaf(T.cast(xo[v], f32), T.cast(xo[v], f32), xq[v])
+                    if row < m:
+                        for u in T.unroll(2):
+                            for e in T.vectorized(8):
+                                x[row, col + u * 16 + hf * 8 + e] = xo[u * 8 + e]
+                if mma:
+                    T.wait_wgmma(0)
+                    for i, n in T.Parallel(bm, NMIX):
+                        acc_hi[i, n] = T.ieee_add(
+                            T.ieee_add(T.ieee_add(T.ieee_add(acc_hi[i, n], sh0[i, n]), sh1[i, n]), sh2[i, n]), sh3[i, n]
+                        )
                 # stage st is free once every thread is past its reads (the wgmma reads ended at the wait)
                 if producer:
                     T.mbarrier_arrive(b.empty[st])
@@ -315,13 +345,14 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                     if t + stages < nloc * nc:
                         issue(h, wlo, wmid, t + stages, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds,
                               full)
-                if j >= lag:
+                if vec and j >= lag:
                     norm_chunk(x, w_s, nrow, ncol, c * bk, hf, xn, wv, red)
-                if c == nc - 1:
-                    # publish this slice's partials (Triton finish layout); xss last: the normalization
-                    # of this row block (one CTA each slice) waits for it
+                if mma and c == nc - 1:
+                    # publish this slice's partials (Triton finish layout)
                     for i, n in T.Parallel(bm, NMIX):
                         ws[pslot(rb, i, s), n] = T.ieee_add(T.ieee_add(acc_hi[i, n], acc_mid[i, n]), acc_lo[i, n])
+                if vec and c == nc - 1:
+                    # xss last: the normalization of this row block (one CTA each slice) waits for it
                     # pairwise tree over the 32 chunk positions: within each run of 8 here (levels 1-3),
                     # then (run0 + partner's run0) + (run1 + partner's run1) (levels 4-5)
                     for lvl in T.unroll(3):
@@ -340,7 +371,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                         ss[pslot(rb, r, s)] = sq[0]
                         T.atomic_store(xss[pslot(rb, r, s)], xq[0], memory_order="relaxed")
             # the last ``lag`` row blocks of this CTA: normalized after the loop
-            for jj in T.serial(lag):
+            for jj in T.serial(lag if vec else 0):
                 if nloc - lag + jj >= 0:
                     rbn = g + ((nloc - lag + jj) * rings + ring if rings > 1 else nloc - lag + jj) * groups
                     row_rstd(xss, rbn, r, pv, red)
@@ -401,6 +432,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
             sq = T.alloc_local((HALF,), f32)
             xq = T.alloc_local((HALF,), f32)
             pr = T.alloc_local((HC,), f32)
+            prn = T.alloc_local((HC,), f32)
             hv0 = T.alloc_local((HALF,), f32)
             hv1 = T.alloc_local((HALF,), f32)
             hv2 = T.alloc_local((HALF,), f32)
@@ -448,8 +480,13 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                     io=(h, wlo, wmid, x, ws, ss, xss, pre_prev, w_s, s, g),
                     smem=(a0, a1, a2, a3, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, md0, md1, md2, md3, mds),
                     full=full, empty=empty if producer else None,
-                    regs=(sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red))
-                if rings == 1:
+                    regs=(sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red, prn))
+                if split_roles:  # warpgroup 1 issues the dots, warpgroup 2 does the rest
+                    if tx < 256:
+                        consumer(0, "mma")(nloc, frags[0], tx - 128, b)
+                    if tx >= 256:
+                        consumer(0, "vec")(nloc, frags[0], tx - 256, b)
+                elif rings == 1:
                     consumer(0)(nloc, frags[0], tx - 128 if producer else tx, b)
                 else:  # warpgroup 1 takes the CTA's even row blocks, warpgroup 2 the odd ones
                     if tx < 256:
