@@ -34,10 +34,14 @@ def _bmm_kernel(
                     mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
         b = tl.load(b_ptr + bid * sbb + kk[:, None] * sbk + rn[None, :] * sbn,
                     mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
-        if INTERP:  # the interpreter computes bf16 on raw bits
+        if INTERP:
+            # the interpreter computes bf16 on raw bits, and its dot (numpy's matmul, i.e. the CPU's BLAS) can
+            # round a row differently by its place in the tile (seen on an AVX2 machine): products and a sum over
+            # the tile's K instead, the same for every row
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        if IEEE:
+            acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+        elif IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
