@@ -37,7 +37,7 @@ def summary(k: dict, top: int) -> str:
         st = {n[6:]: float(r[ix[n]] or 0) for n in reasons}
         totals.update(st)
         sites.append((float(r[ix["# Samples"]] or 0), int(r[ix["Address"]], 16) - base, r[ix["Source"]].strip(), st))
-    n = sum(float(r[ix["# Samples"]] or 0) for r in k["rows"])
+    n = sum(site[0] for site in sites)
     lines = [f"== {k['name'][:80]}: {n:.0f} samples",
              "   reasons: " + ", ".join(f"{a} {v / n:.1%}" for a, v in totals.most_common(10))]
     for cnt, off, src, st in sorted(sites, key=lambda s: -s[0])[:top]:

@@ -11,7 +11,6 @@ launches are the steady-state binaries (M is a runtime argument: the same binary
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -78,13 +77,13 @@ def main() -> None:
     warm = launches(256)
     big = launches(args.m)
     if args.mhc_config:
+        from benchmarks.probe_mhc_pre_tilelang import define_variants
         from dsv41_passes.lowering.tilelang import mhc_pre as tlp
 
-        for spec in args.mhc_config:
-            name, _, opts = spec.partition("=")
-            cfg = dict(tlp.DEFAULT_CONFIG, **json.loads(opts))
+        define_variants(args.mhc_config)
+        for name in (spec.partition("=")[0] for spec in args.mhc_config):
             for table, m in ((warm, 256), (big, args.m)):
-                table[name] = _tilelang_pre(m, cfg)
+                table[name] = _tilelang_pre(m, tlp.CONFIGS[name])
     names = args.only or list(big)
     for n in names:
         warm[n]()
