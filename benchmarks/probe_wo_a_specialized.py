@@ -3,7 +3,8 @@
     source .devsite/setup.sh && python3 benchmarks/probe_wo_a_specialized.py [--m 65536 4096] [--tp 4] [--rounds 8]
 
 For each M above 1024: the TileLang default and each specialized config, with the rope chunks de-rotated beforehand
-by ``triton.wo_a.rope_tails`` (timed inside the call) or by the consumer warpgroups, persistent or not;
+by ``triton.wo_a.rope_tails`` (timed inside the call), by the consumer warpgroups in the stage, or into the A
+registers of a register-A wgmma, persistent or not;
 then the same without RoPE, ``rope_tails`` alone and cuBLAS bmm on a pre-transposed input. At M <= 1024:
 the default and the one-loop 128-row kernel with 128 or 64 columns, split over K in 1, 2, 4 or 8 parts. A row gives
 the bits against the default (the same bits are expected: the same K order, wgmma shape and rounding),
@@ -13,7 +14,8 @@ variants one after another put on some of them only). Run 100's log has this pro
 variants (rope chunks de-rotated by two producer warps), runs 102-104's with ``rope="early"`` (each head's
 rope chunk in a buffer of its own, de-rotated by the consumers during an earlier chunk) and its diagnostic
 builds (no proxy fence, no barrier, no de-rotation, no cos/sin loads, the warpgroups de-rotating at different
-chunks), all since dropped.
+chunks), all since dropped. Run 119's log has three more with ``rope="registers"``: the de-rotation one chunk early,
+32-column chunks in 6 stages, the tile stored from registers with a 4th stage (dropped too).
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ SPECIALIZED = [
     _BASE,
     dict(_BASE, persistent=True),
     dict(_BASE, rope="consumers", persistent=True),
+    dict(_BASE, rope="registers", persistent=True),
+    dict(_BASE, rope="registers"),
 ]
+# the GEMM alone (no RoPE)
+NO_ROPE = [dict(_BASE, persistent=True)]
 # decode sizes (M <= 1024): the one-loop 128 x 128 kernel (``wo_a._DECODE``) split over K or not, and with
 # 64-column tiles
 DECODE = [dict(BN=bn, SPLIT=s) for bn in (128, 64) for s in (1, 2, 4, 8)]
@@ -46,7 +52,7 @@ def _bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _name(c: dict) -> str:
     if c.get("one_loop"):
         return f"one-loop BN={c['BN']} split={c.get('SPLIT', 1)}"
-    return ",".join(f"{k}={v}" for k, v in c.items() if k not in _BASE) or "tails"
+    return ",".join(f"{k}={v}" for k, v in c.items() if _BASE.get(k) != v) or "tails"
 
 
 def probe(m: int, tp: int, rounds: int) -> list[tuple]:
@@ -62,8 +68,8 @@ def probe(m: int, tp: int, rounds: int) -> list[tuple]:
     variants = [("default", default, rd)]
     if m > 1024:
         variants += [("specialized " + _name(c), c, rd) for c in SPECIALIZED]
-        variants += [("no rope, default", default, 0),
-                     ("no rope, specialized persistent", dict(_BASE, persistent=True), 0)]
+        variants += [("no rope, default", default, 0)]
+        variants += [("no rope, specialized " + _name(c), c, 0) for c in NO_ROPE]
     else:
         variants += [(_name(c), c, rd) for c in (dict(tw._DECODE, **d_) for d_ in DECODE)]
     fns, notes = {}, {}

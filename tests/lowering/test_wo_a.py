@@ -230,13 +230,14 @@ def test_rope_tails_compiles_for_sm90():
 
 
 def test_tilelang_launch_config():
-    """From M = 2048 the written-out pipeline (its consumers de-rotating up to 4096); where the tails pass cannot
-    tile the heads, the one-loop kernel with the same bits; BN / BK clipped to the shape either way."""
+    """From M = 2048 the written-out pipeline (rope chunks de-rotated into the wgmma's A registers up to 32768);
+    where the tails pass cannot tile the heads, the one-loop kernel with the same bits; BN / BK clipped to the
+    shape either way."""
     from dsv41_passes.lowering.tilelang import wo_a as tw
 
     assert tw.default_config(2047) == tw.BATCH_INVARIANT_CONFIG
-    assert tw.default_config(2048) == tw.default_config(4096) == tw.SPECIALIZED_CONSUMERS_CONFIG
-    assert tw.default_config(4097) == tw.SPECIALIZED_CONFIG
+    assert tw.default_config(2048) == tw.default_config(32768) == tw.SPECIALIZED_REGISTERS_CONFIG
+    assert tw.default_config(32769) == tw.SPECIALIZED_CONFIG
     assert tw.launch_config(tw.SPECIALIZED_CONFIG, 16, 512, 1024, 64) == dict(tw.SPECIALIZED_CONFIG, BN=256, BK=64)
     assert tw.launch_config(tw.SPECIALIZED_CONFIG, 16, 512, 1024, 0) == dict(tw.SPECIALIZED_CONFIG, BN=256, BK=64)
     assert tw.launch_config(tw.SPECIALIZED_CONFIG, 12, 512, 96, 64) == dict(tw.BATCH_INVARIANT_CONFIG, BN=32, BK=64)
@@ -247,6 +248,11 @@ def test_tilelang_launch_config():
     assert tw.launch_config(cons, 16, 512, 1024, 24)["rope"] == "tails"
     assert tw.derotates_beforehand(tw.launch_config(cons, 16, 512, 1024, 24), 24)
     assert not tw.derotates_beforehand(tw.launch_config(cons, 16, 512, 1024, 64), 64)
+    # registers: any even rope_dim up to 64 (its cos/sin held by each consumer thread), more through the tails pass
+    regs = tw.SPECIALIZED_REGISTERS_CONFIG
+    assert tw.launch_config(regs, 16, 512, 1024, 24)["rope"] == "registers"
+    assert tw.launch_config(regs, 16, 512, 1024, 128)["rope"] == "tails"
+    assert not tw.derotates_beforehand(tw.launch_config(regs, 16, 512, 1024, 64), 64)
 
 
 def test_tilelang_decode_split_fills_one_wave():
@@ -397,8 +403,11 @@ for rope in (rd, 0):  # the default above M = 4096, with and without the inverse
     bn, bk = tw._tiles(tw.default_config(65536), d, r, rope)
     out[f"specialized_rd{rope}"] = tw.compile_kernel(g, r, hpg, d, rope, dict(tw.default_config(65536), BN=bn, BK=bk)
                                                      ).get_kernel_source()  # nvcc, sm_90a
-cons = tw.launch_config(tw.default_config(4096), hpg * g, d, r, rd)  # the default from M = 2048 to 4096
+cons = tw.launch_config(tw.SPECIALIZED_CONSUMERS_CONFIG, hpg * g, d, r, rd)  # a tuner candidate
 out["specialized_consumers"] = tw.compile_kernel(g, r, hpg, d, rd, cons).get_kernel_source()  # nvcc, sm_90a
+regs = tw.launch_config(tw.default_config(16384), hpg * g, d, r, rd)  # the default from M = 2048 to 32768
+out["specialized_registers"] = tw.compile_kernel(g, r, hpg, d, rd, regs).get_kernel_source()  # nvcc, sm_90a
+out["specialized_registers_rd24"] = tw.lower_source(g, r, hpg, d, 24, tw.launch_config(regs, hpg * g, d, r, 24))
 out["specialized_one_pass"] = tw.lower_source(g, r, hpg, d, rd, dict(cons, persistent=False))
 regs = max((c for c in one_loop if c.get("rope_regs")), key=lambda c: (c["BM"] * c["BN"], c["stages"]))
 out["one_loop_rope_regs"] = tw.compile_kernel(g, r, hpg, d, rd, regs).get_kernel_source()  # nvcc, sm_90a
@@ -473,12 +482,23 @@ def test_tilelang_compiles_for_sm90a(tmp_path):
         head = src[src.index("(x1 * c0) - (x0 * s0)"):src.index("wgmma_ss")]
         assert "fence_proxy_async" in head and "__sync_thread_partial(((((int)threadIdx.x) >> 7) + 1), 128)" in head
     assert "/ 132)" in sources["specialized_consumers"] and "/ 132)" not in sources["specialized_one_pass"]
+    # rope chunk de-rotated into registers: cos / +-sin loaded once a tile before the K loop, the chunk read from
+    # the stage into the A fragment of a register-A wgmma; no shared-memory write, fence or barrier in the loop
+    # until the tile's store
+    for name in ("specialized_registers", "specialized_registers_rd24"):
+        src = sources[name]
+        loop = src[src.index("for (int t_1"):src.index("tl::wait_wgmma<0>()")]
+        assert "CS_desc" not in src and "float* __restrict__ CS" in src and "CS[" not in loop, name
+        assert "wgmma_rs" in loop and "wgmma_ss" in loop and "c_f[" in loop and "s_f[" in loop, name
+        assert "fence_proxy_async" not in loop and "__sync_thread_partial" not in loop, name
+        assert "((bfloat16_t*)a_s)[" in loop and "= ((bfloat16_t)" in loop, name
+    assert "/ 132)" in sources["specialized_registers"]
 
 
 # ------------------------------------------------------------------ GPU
 TP_SHAPES = {"tp4": (16, 512, 2, 1024, 64), "tp1": (64, 512, 8, 1024, 64)}  # (H, D, G, R, rope_dim)
 # every default bucket: split-K over 64-column tiles, 8 / 4 / 2 parts of 128 x 128, 128 x 128, 128 x 256, the
-# written-out pipeline with its consumers de-rotating (2048-4096) and with the rope pass (above)
+# written-out pipeline with the rope chunks de-rotated into registers (2048-32768) and with the rope pass (above)
 GPU_M = (1, 7, 130, 300, 1000, 2048, 4096, 4097)
 
 

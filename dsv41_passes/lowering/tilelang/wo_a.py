@@ -19,8 +19,9 @@ issues wgmma m64n256k16 with four 48 KiB stages (192 KiB of shared memory).
 
 ``wo_a_specialized`` (configs with ``specialized=True``, the default from M = 2048, persistent there)
 computes the same product with the pipeline written out; its rope chunks are de-rotated beforehand by
-``triton.wo_a.rope_tails``, so its loop is a plain GEMM (the same bits as the one-loop kernel; above M = 4096),
-or with ``rope="consumers"`` by its consumer warpgroups (M 2048 to 4096).
+``triton.wo_a.rope_tails``, so its loop is a plain GEMM (the same bits as the one-loop kernel; above M = 32768),
+or in the kernel: by its consumer warpgroups in the stage (``rope="consumers"``, a tuner candidate) or into the
+A registers of a register-A wgmma (``rope="registers"``, M 2048 to 32768).
 
 The rope table is read as ``cs [M, RD]`` fp32 with cos/sin interleaved per pair
 (``view_as_real`` of the complex table, so the model's spelling needs no copy).
@@ -78,28 +79,37 @@ CANDIDATES: dict[str, list[dict]] = {
     # a persistent tile loop, and / or the rope chunks de-rotated by the consumer warpgroups
     + [dict(BM=128, BN=256, BK=64, stages=3, specialized=True, persistent=True)]
     + [dict(BM=128, BN=256, BK=64, stages=3, specialized=True, rope="consumers", persistent=p) for p in (False, True)]
+    # or into the A registers of a register-A wgmma
+    + [dict(BM=128, BN=256, BK=64, stages=3, specialized=True, rope="registers", persistent=p) for p in (False, True)]
 }
 # Batch-invariant mode: the prefill default (no split-K, so a row's bits never depend on M); it
 # measured 1.73 ms at M = 65536 where the two-loop 128 x 128 kernel of runs <= 25 took 2.50
 BATCH_INVARIANT_CONFIG = dict(BM=128, BN=256, BK=64, stages=3, threads=256, one_loop=True, cs_regs=True,
                               epi_smem=True)
-# Above M = 4096 (outside batch-invariant mode): the same 128 x 256 product with the pipeline written out, the
+# Above M = 32768 (outside batch-invariant mode): the same 128 x 256 product with the pipeline written out, the
 # rope chunks de-rotated by a Triton pass over them first, one persistent CTA an SM; the same bits as
 # BATCH_INVARIANT_CONFIG. run100-probe_wo_a_specialized.log (medians of 8 interleaved rounds, ms): 1.635 vs
 # 1.652 (not persistent) and 1.658 (BATCH_INVARIANT_CONFIG) at 65536, 0.423 vs 0.434 / 0.435 at 16384; without
 # RoPE 1.502 vs 1.614 at 65536 (cuBLAS 1.498). The pipeline written out, not persistent, against the one-loop
 # kernel: run94-probe_wo_a_specialized.log.
 SPECIALIZED_CONFIG = dict(BM=128, BN=256, BK=64, stages=3, specialized=True, persistent=True)
-# 2048 <= M <= 4096 (outside batch-invariant mode): the same, its consumer warpgroups de-rotating the rope chunks
-# (a separate pass costs more there than in the kernel); the same bits again. run102-probe_wo_a_specialized.log
+# A tuner candidate (the default for 2048 <= M <= 4096 in runs 105-119): the same, its consumer warpgroups
+# de-rotating the rope chunks in the stage (a separate pass costs more there than in the kernel); the same bits
+# again. run102-probe_wo_a_specialized.log
 # (medians of 6 interleaved rounds, ms): 0.0541 vs 0.0582 (BATCH_INVARIANT_CONFIG) and 0.0582 (rope chunks
 # de-rotated beforehand) at 2048, 0.0956 vs 0.1031 / 0.0977 at 3072, 0.1067 vs 0.1168 / 0.1077 at 4096.
 SPECIALIZED_CONSUMERS_CONFIG = dict(SPECIALIZED_CONFIG, rope="consumers")
+# 2048 <= M <= 32768 (outside batch-invariant mode): the same, the rope chunk de-rotated into the A registers of a
+# register-A wgmma; the same bits. Medians of 6 interleaved rounds, ms, against the rope pass (persistent) and the
+# consumers' de-rotation: run120 0.8156 vs 0.8230 / 0.8278 at 32768, 0.2083 vs 0.2098 / 0.2103 at 8192; run119
+# 0.4289 vs 0.4355 / 0.4386 at 16384, 0.1081 vs 0.1100 / 0.1098 at 4096, but 1.768 vs 1.740 / 1.792 at 65536;
+# run118 0.0539 vs 0.0584 / 0.0549 at 2048 (``*-probe_wo_a_specialized.log``).
+SPECIALIZED_REGISTERS_CONFIG = dict(SPECIALIZED_CONFIG, rope="registers")
 # Untuned defaults by token count (upper M, config), from benchmarks/results/run27-quick_check-wo_a-small.log
 # and run26 (H200): split-K with 128 x 128 tiles for decode sizes (11.8 / 15.9 / 22.5 us at M = 128 / 256 /
 # 512 where the 64 x 64 one-loop kernel took 27.4 / 28.1 / 55.3), 128 x 128 up to 1024 (31.4 vs 112 us),
 # 128 x 256 with the tile stored through shared memory up to 2047 (0.0997 vs 0.106 ms at 4096, 1.73 vs 1.80
-# at 65536), SPECIALIZED_CONSUMERS_CONFIG up to 4096 and SPECIALIZED_CONFIG above. M <= 128 with the geometry
+# at 65536), SPECIALIZED_REGISTERS_CONFIG up to 32768 and SPECIALIZED_CONFIG above. M <= 128 with the geometry
 # known: ``decode_config``. M <= 16 (outside batch-invariant mode) runs the Triton split-K kernel
 # (``triton.wo_a``).
 DEFAULTS: list[tuple[int, dict]] = [
@@ -108,7 +118,7 @@ DEFAULTS: list[tuple[int, dict]] = [
     (512, dict(_DECODE, SPLIT=2)),
     (1024, _DECODE),
     (2047, BATCH_INVARIANT_CONFIG),
-    (4096, SPECIALIZED_CONSUMERS_CONFIG),
+    (32768, SPECIALIZED_REGISTERS_CONFIG),
 ]
 DECODE_MAX_M = 128
 

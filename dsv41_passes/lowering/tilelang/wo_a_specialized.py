@@ -19,6 +19,11 @@ Where the rope chunks are de-rotated (``rope``):
   registers once per tile, and de-rotates them in the stage, 16 bytes at a time (fp32, one bf16 rounding,
   like the reference), while the previous chunk's wgmma runs; a proxy fence and a warpgroup barrier,
   then the chunk's wgmma.
+* ``"registers"``: in the kernel, into the A operand of a register-A wgmma (``wgmma_rs``). Each consumer
+  thread loads the cos and +-sin of its A-fragment elements (a pair's two elements sit in one thread) once per
+  tile, 64 registers; the rope chunk is read from the stage, de-rotated (fp32, one bf16 rounding) into the
+  fragment, and multiplied from there: no write back to shared memory, no proxy fence, no barrier. The same
+  bits as the others (GPU, runs 118-119).
 
 ``ctas`` > 0: a persistent kernel of ``ctas`` CTAs that walk the tiles (column tiles fastest); the
 producer runs ahead into the next tile while the consumers store the last one.
@@ -27,6 +32,10 @@ The bf16 tile leaves through shared memory (TMA store). M is ``T.dynamic``.
 De-rotating in the producer warpgroup was tried twice and dropped: three warps reading cos/sin from L2 a
 pair at a time took 2.3-2.5 times the kernel's time (run 91); two warps in 16-byte pieces, the rope chunk
 on its own barrier, 2.63 against 1.65 ms at M = 65536 (run 100): each piece waits on its cos/sin from L2.
+Tried with ``"registers"`` and dropped (run 119, ms at 65536 against 1.768): de-rotating the rope chunk a chunk
+early, while two wgmmas run (1.890: it holds a third stage, so the producer has none to fill); 32-column chunks
+in 6 stages (1.898, two rope chunks a head); the tile stored from registers to free z_s for a 4th stage (1.832;
+the GEMM alone 1.841 against 1.665).
 """
 
 # No ``from __future__ import annotations``: TileLang evaluates the prim_func annotations.
@@ -35,13 +44,16 @@ from .register_split import CONSUMER_REGS, PRODUCER_REGS, split_reason
 
 # the pipeline is written out, and so are the thread syncs it needs
 PASS_CONFIGS = {"tl.disable_warp_specialized": True, "tl.disable_thread_storage_sync": True}
-ROPE_PLACES = ("tails", "consumers")
+ROPE_PLACES = ("tails", "consumers", "registers")
 
 
 def rope_reason(rope: str, rope_dim: int) -> str | None:
-    """Why the kernel cannot de-rotate the rope pairs itself in this place (16-byte pieces)."""
+    """Why the kernel cannot de-rotate the rope pairs itself in this place (16-byte pieces; registers: one
+    chunk of at most 64 columns, whose cos/sin a consumer thread keeps in 64 registers)."""
     if rope == "consumers" and rope_dim % 16:
         return f"rope_dim {rope_dim} does not split into two halves of 16-byte pieces"
+    if rope == "registers" and (rope_dim % 2 or rope_dim > 64):
+        return f"rope_dim {rope_dim} is odd or past the 64 whose cos/sin the consumers keep in registers"
     return None
 
 
@@ -60,6 +72,7 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
         raise ValueError(f"wo_a (tilelang, specialized): {threads} threads do not fit BM {BM}")
     RD = rope_dim
     in_kernel = RD > 0 and rope == "consumers"
+    in_regs = RD > 0 and rope == "registers"
     if RD and rope_reason(rope, RD):
         raise ValueError(f"wo_a (tilelang, specialized): {rope_reason(rope, RD)}")
     if split_reason(consumers):
@@ -72,7 +85,7 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
     rope_from = BK - RD
     ppt = RD // 4  # rope pairs a consumer thread de-rotates (half of its row's)
     vecs = ppt // 4  # of four pairs (16 bytes) each
-    if in_kernel:
+    if in_kernel or in_regs:
         cs_shape, cs_dtype = (M, RD), f32
     else:
         cs_shape, cs_dtype = (M, g * hpg * BK if RD else 1), bf16
@@ -93,6 +106,11 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
             loaded = T.alloc_barrier([32] * stages)
             empty = T.alloc_barrier([consumers] * stages)
             acc = T.alloc_fragment((BM, BN), f32)
+            if in_regs:  # the rope chunk de-rotated into the wgmma's A registers; cos and +-sin of each element's
+                # pair (1 and 0 before the rope dims), loaded once a tile
+                a_r = T.alloc_fragment((BM, BK), bf16)
+                c_f = T.alloc_fragment((BM, BK), f32)
+                s_f = T.alloc_fragment((BM, BK), f32)
             cs_r = T.alloc_local((max(2 * ppt, 1),), f32)
             x_r = T.alloc_local((8,), bf16)
             y_r = T.alloc_local((8,), bf16)
@@ -137,6 +155,13 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
                         for q in T.unroll(ppt // 2):  # 16-byte loads (two pairs' cos/sin)
                             for e in T.vectorized(4):
                                 cs_r[4 * q + e] = T.if_then_else(live, CS[by * BM + row, 2 * p0 + 4 * q + e], 0.0)
+                    if in_regs:
+                        for i, k in T.Parallel(BM, BK):
+                            q = k - rope_from  # the element's rope dim
+                            live = (by * BM + i < M) and q >= 0
+                            c_f[i, k] = T.if_then_else(live, CS[by * BM + i, q - k % 2],
+                                                       T.if_then_else(q >= 0, 0.0, 1.0))
+                            s_f[i, k] = T.if_then_else(live, CS[by * BM + i, q - k % 2 + 1], 0.0) * (1 - 2 * (k % 2))
                     T.clear(acc)
                     for t in T.serial(total):
                         u = it * total + t
@@ -158,8 +183,18 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
                                     a_s[st, row, j + e] = y_r[e]
                             T.fence_proxy_async()  # the stage's new values, before the wgmma reads them
                             T.sync_threads(2 + c // 128, 128)  # this warpgroup's rows are all de-rotated
-                        T.wgmma_gemm(a_s[st, :, :], b_s[st, :, :], acc, transpose_B=True,
-                                     policy=T.GemmWarpPolicy.FullRow)
+                        if in_regs and t % chunks == chunks - 1:
+                            # y0 = x0 c + x1 s, y1 = x1 c - x0 s: x_k c + x_(k^1) (+-s), both pair elements a thread's
+                            for i, k in T.Parallel(BM, BK):
+                                a_r[i, k] = T.if_then_else(
+                                    k >= rope_from,
+                                    T.cast(T.cast(a_s[st, i, k], f32) * c_f[i, k]
+                                           + T.cast(a_s[st, i, k + 1 - 2 * (k % 2)], f32) * s_f[i, k], bf16),
+                                    a_s[st, i, k])
+                            T.wgmma_gemm(a_r, b_s[st, :, :], acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                        else:
+                            T.wgmma_gemm(a_s[st, :, :], b_s[st, :, :], acc, transpose_B=True,
+                                         policy=T.GemmWarpPolicy.FullRow)
                         if wait0:
                             T.wait_wgmma(0)
                             T.mbarrier_arrive(empty[st])
