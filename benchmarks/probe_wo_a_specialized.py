@@ -37,9 +37,11 @@ SPECIALIZED = [
     dict(_BASE, rope="consumers", persistent=True),
     dict(_BASE, rope="registers", persistent=True),
     dict(_BASE, rope="registers"),
+    dict(_BASE, persistent=True, stages=4, z_cols=128),
+    dict(_BASE, rope="registers", persistent=True, stages=4, z_cols=128),
 ]
 # the GEMM alone (no RoPE)
-NO_ROPE = [dict(_BASE, persistent=True)]
+NO_ROPE = [dict(_BASE, persistent=True), dict(_BASE, persistent=True, stages=4, z_cols=128)]
 # decode sizes (M <= 1024): the one-loop 128 x 128 kernel (``wo_a._DECODE``) split over K or not, and with
 # 64-column tiles
 DECODE = [dict(BN=bn, SPLIT=s) for bn in (128, 64) for s in (1, 2, 4, 8)]

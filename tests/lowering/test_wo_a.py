@@ -492,7 +492,10 @@ def test_tilelang_compiles_for_sm90a(tmp_path):
         assert "wgmma_rs" in loop and "wgmma_ss" in loop and "c_f[" in loop and "s_f[" in loop, name
         assert "fence_proxy_async" not in loop and "__sync_thread_partial" not in loop, name
         assert "((bfloat16_t*)a_s)[" in loop and "= ((bfloat16_t)" in loop, name
-    assert "/ 132)" in sources["specialized_registers"]
+    # with 4 stages of 48 KiB: the tile leaves in two 128-column halves through one 32 KiB buffer
+    src = sources["specialized_registers"]
+    assert "/ 132)" in src and "buf_dyn_shmem + 196608)" in src and "(t_1 + 3) & 3" in src
+    assert src.count("tl::tma_store(Z_desc") == 2 and src.count("tl::tma_store_wait<0, true>()") == 2
 
 
 # ------------------------------------------------------------------ GPU

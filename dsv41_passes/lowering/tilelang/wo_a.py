@@ -81,6 +81,9 @@ CANDIDATES: dict[str, list[dict]] = {
     + [dict(BM=128, BN=256, BK=64, stages=3, specialized=True, rope="consumers", persistent=p) for p in (False, True)]
     # or into the A registers of a register-A wgmma
     + [dict(BM=128, BN=256, BK=64, stages=3, specialized=True, rope="registers", persistent=p) for p in (False, True)]
+    # with 4 stages, the tile leaving in two halves through a [128, 128] buffer
+    + [dict(BM=128, BN=256, BK=64, stages=4, specialized=True, rope=r, persistent=True, z_cols=128)
+       for r in ("tails", "registers")]
 }
 # Batch-invariant mode: the prefill default (no split-K, so a row's bits never depend on M); it
 # measured 1.73 ms at M = 65536 where the two-loop 128 x 128 kernel of runs <= 25 took 2.50
@@ -100,11 +103,14 @@ SPECIALIZED_CONFIG = dict(BM=128, BN=256, BK=64, stages=3, specialized=True, per
 # de-rotated beforehand) at 2048, 0.0956 vs 0.1031 / 0.0977 at 3072, 0.1067 vs 0.1168 / 0.1077 at 4096.
 SPECIALIZED_CONSUMERS_CONFIG = dict(SPECIALIZED_CONFIG, rope="consumers")
 # 2048 <= M <= 32768 (outside batch-invariant mode): the same, the rope chunk de-rotated into the A registers of a
-# register-A wgmma; the same bits. Medians of 6 interleaved rounds, ms, against the rope pass (persistent) and the
-# consumers' de-rotation: run120 0.8156 vs 0.8230 / 0.8278 at 32768, 0.2083 vs 0.2098 / 0.2103 at 8192; run119
-# 0.4289 vs 0.4355 / 0.4386 at 16384, 0.1081 vs 0.1100 / 0.1098 at 4096, but 1.768 vs 1.740 / 1.792 at 65536;
-# run118 0.0539 vs 0.0584 / 0.0549 at 2048 (``*-probe_wo_a_specialized.log``).
-SPECIALIZED_REGISTERS_CONFIG = dict(SPECIALIZED_CONFIG, rope="registers")
+# register-A wgmma, with 4 stages (the tile leaves in two 128-column halves to make room); the same bits. Medians
+# of 6 interleaved rounds, ms (``*-probe_wo_a_specialized.log``), against the rope pass (persistent, 3 stages)
+# and cuBLAS bmm: run121 0.3935 vs 0.4162 / 0.3951 at 16384, 0.1012 vs 0.1077 / 0.1006 at 4096; run122 0.8253 vs
+# 0.8536 / 0.7992 at 32768, 0.2054 vs 0.2135 / 0.2053 at 8192, 0.0515 vs 0.0582 / 0.0516 at 2048. At 65536 it
+# ties with the rope pass (1.658 vs 1.6425 in run121, 1.6766 vs 1.6804 in run122), which stays the default there.
+# With 3 stages (run119) 0.4289 vs 0.4355 at 16384: the rope chunk takes longer to consume, and the 4th stage
+# keeps the loads ahead of it.
+SPECIALIZED_REGISTERS_CONFIG = dict(SPECIALIZED_CONFIG, rope="registers", stages=4, z_cols=128)
 # Untuned defaults by token count (upper M, config), from benchmarks/results/run27-quick_check-wo_a-small.log
 # and run26 (H200): split-K with 128 x 128 tiles for decode sizes (11.8 / 15.9 / 22.5 us at M = 128 / 256 /
 # 512 where the 64 x 64 one-loop kernel took 27.4 / 28.1 / 55.3), 128 x 128 up to 1024 (31.4 vs 112 us),

@@ -25,6 +25,9 @@ Where the rope chunks are de-rotated (``rope``):
   fragment, and multiplied from there: no write back to shared memory, no proxy fence, no barrier. The same
   bits as the others (GPU, runs 118-119).
 
+``z_cols``: the bf16 tile leaves through a ``[BM, z_cols]`` buffer, in ``BN / z_cols`` parts; with 128 of 256 the
+buffer is 32 KiB and a 4th 48 KiB stage fits (224 KiB in all).
+
 ``ctas`` > 0: a persistent kernel of ``ctas`` CTAs that walk the tiles (column tiles fastest); the
 producer runs ahead into the next tile while the consumers store the last one.
 
@@ -35,7 +38,7 @@ on its own barrier, 2.63 against 1.65 ms at M = 65536 (run 100): each piece wait
 Tried with ``"registers"`` and dropped (run 119, ms at 65536 against 1.768): de-rotating the rope chunk a chunk
 early, while two wgmmas run (1.890: it holds a third stage, so the producer has none to fill); 32-column chunks
 in 6 stages (1.898, two rope chunks a head); the tile stored from registers to free z_s for a 4th stage (1.832;
-the GEMM alone 1.841 against 1.665).
+the GEMM alone 1.841 against 1.665; storing it in two halves through shared memory keeps the GEMM's speed).
 """
 
 # No ``from __future__ import annotations``: TileLang evaluates the prim_func annotations.
@@ -58,7 +61,8 @@ def rope_reason(rope: str, rope_dim: int) -> str | None:
 
 
 def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN: int, BK: int,
-                      stages: int, threads: int = 0, wait0: bool = False, rope: str = "tails", ctas: int = 0):
+                      stages: int, threads: int = 0, wait0: bool = False, rope: str = "tails", ctas: int = 0,
+                      z_cols: int = 0):
     """The prim_func for one geometry and config (``threads`` is implied: one producer warpgroup and
     ``BM / 64`` consumers; a value passed must count the consumers or all of them)."""
     import tilelang.language as T
@@ -90,6 +94,10 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
     else:
         cs_shape, cs_dtype = (M, g * hpg * BK if RD else 1), bf16
     col_tiles = N // BN
+    ZC = z_cols or BN  # the tile leaves in BN / ZC parts through a [BM, ZC] buffer (a smaller one frees a stage)
+    if BN % ZC:
+        raise ValueError(f"wo_a (tilelang, specialized): z_cols {ZC} does not divide BN {BN}")
+    z_parts = list(range(BN // ZC))  # a list: unrolled when traced
     persistent = ctas > 0
 
     @T.prim_func
@@ -102,7 +110,7 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
         with T.Kernel(ctas if persistent else col_tiles * T.ceildiv(M, BM), threads=128 + consumers) as bid:
             a_s = T.alloc_shared((stages, BM, BK), bf16)
             b_s = T.alloc_shared((stages, BN, BK), bf16)
-            z_s = T.alloc_shared((BM, BN), bf16)
+            z_s = T.alloc_shared((BM, ZC), bf16)
             loaded = T.alloc_barrier([32] * stages)
             empty = T.alloc_barrier([consumers] * stages)
             acc = T.alloc_fragment((BM, BN), f32)
@@ -205,11 +213,16 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
                     T.wait_wgmma(0)
                     if not wait0 and persistent:  # the tile's last stage (a non-persistent CTA just exits)
                         T.mbarrier_arrive(empty[(it * total + total - 1) % stages])
-                    if persistent:
-                        T.sync_threads(1, consumers)  # the last tile's TMA store has read z_s
-                    T.copy(acc, z_s)
-                    T.fence_proxy_async()  # the tile's shared-memory writes, before the TMA store reads them
-                    T.sync_threads(1, consumers)
-                    T.copy(z_s, Z[by * BM, bx * BN])
+                    for h in z_parts:
+                        if persistent or h > 0:
+                            T.sync_threads(1, consumers)  # the last TMA store has read z_s
+                        if ZC == BN:
+                            T.copy(acc, z_s)
+                        else:
+                            for i, j in T.Parallel(BM, ZC):
+                                z_s[i, j] = T.cast(acc[i, h * ZC + j], bf16)
+                        T.fence_proxy_async()  # the shared-memory writes, before the TMA store reads them
+                        T.sync_threads(1, consumers)
+                        T.copy(z_s, Z[by * BM, bx * BN + h * ZC])
 
     return wo_a_specialized_kernel
