@@ -399,7 +399,7 @@ out["one_loop"] = tw.compile_kernel(g, r, hpg, d, rd, big).get_kernel_source()  
 bn, bk = tw._tiles(tw.default_config(2047), d, r, rd)
 out["prefill_default"] = tw.compile_kernel(g, r, hpg, d, rd, dict(tw.default_config(2047), BN=bn, BK=bk)
                                            ).get_kernel_source()  # nvcc, sm_90a
-for rope in (rd, 0):  # the default above M = 4096, with and without the inverse RoPE
+for rope in (rd, 0):  # the default above M = 32768, with and without the inverse RoPE
     bn, bk = tw._tiles(tw.default_config(65536), d, r, rope)
     out[f"specialized_rd{rope}"] = tw.compile_kernel(g, r, hpg, d, rope, dict(tw.default_config(65536), BN=bn, BK=bk)
                                                      ).get_kernel_source()  # nvcc, sm_90a

@@ -23,7 +23,7 @@ Where the rope chunks are de-rotated (``rope``):
   thread loads the cos and +-sin of its A-fragment elements (a pair's two elements sit in one thread) once per
   tile, 64 registers; the rope chunk is read from the stage, de-rotated (fp32, one bf16 rounding) into the
   fragment, and multiplied from there: no write back to shared memory, no proxy fence, no barrier. The same
-  bits as the others (GPU, runs 118-119).
+  bits as the others (GPU, runs 118-122).
 
 ``z_cols``: the bf16 tile leaves through a ``[BM, z_cols]`` buffer, in ``BN / z_cols`` parts; with 128 of 256 the
 buffer is 32 KiB and a 4th 48 KiB stage fits (224 KiB in all).
