@@ -126,7 +126,7 @@ def variants(unit: str, t: dict[str, torch.Tensor], compiled: dict[str, Callable
             from dsv41_passes.lowering.tilelang import mhc_pre as tlp
 
             sliced = slice_major(parts, D, 24)
-            out["tilelang (persistent mhc_pre, from M 8192)"] = lambda: tlp.mhc_pre(h, pp, sliced, sc, ba, w, ITERS,
+            out["tilelang (persistent mhc_pre, from M 2048)"] = lambda: tlp.mhc_pre(h, pp, sliced, sc, ba, w, ITERS,
                                                                                      HC_EPS, NORM_EPS, EPS)
         if tkm is not None:
             out["tilekernels (cuBLAS fp32 + big_fuse, no norm)"] = lambda: tilekernels_pre(tkm, h, fn, sc, ba)

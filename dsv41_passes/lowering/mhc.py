@@ -310,13 +310,12 @@ def _tilelang_stats(h, fn, scale, base, iters, hc_eps, norm_eps, *, batch_invari
 
 
 # The persistent TileLang mhc_pre (prefill sizes) runs from this token count up, outside batch-invariant
-# mode; None keeps it off. It gives the Triton kernel's bits. The whole op, timed in turn with the Triton op on
-# the H200 (benchmarks/results/run115-probe_mhc_pre-norm-in-mma.log, ms): 1.467 vs 1.628 at M = 65536, 0.380 vs
-# 0.415 at 16384, 0.195 vs 0.214 at 8192, 0.106 vs 0.112 at 4096, but 0.113 vs 0.112 at 4097 and 0.021 vs 0.019
-# at M = 1. At 4097 some CTAs get one row block more than others (65 on 8 groups); that is likely what the 5%
-# lead does not cover below 8192, where the imbalance is at most 1 in 16.
-# DSV41_MHC_PRE_TILELANG_MIN_M sets it from the environment ("off": never).
-_ENV_MIN_M = os.environ.get("DSV41_MHC_PRE_TILELANG_MIN_M", "8192")
+# mode; None keeps it off. It gives the Triton kernel's bits. The whole op with the default config (wg1-split-v2),
+# timed in turn with the Triton op on the H200 (benchmarks/results/run127-probe_mhc_pre.log, ms): 1.464 vs 1.734 at
+# M = 65536, 0.362 vs 0.423 at 16384, 0.192 vs 0.220 at 8192, 0.108 vs 0.114 at 4097, 0.1005 vs 0.1133 at 4096,
+# 0.0577 vs 0.0609 at 2048; at M = 128 and 1 it is slower (bench_mhc run 127: 0.0233 vs 0.0144, 0.0205 vs 0.0121).
+# Between 128 and 2048 it has not been timed. DSV41_MHC_PRE_TILELANG_MIN_M sets it from the environment ("off": never).
+_ENV_MIN_M = os.environ.get("DSV41_MHC_PRE_TILELANG_MIN_M", "2048")
 TILELANG_PRE_MIN_M: int | None = None if _ENV_MIN_M.lower() in ("off", "none", "") else int(_ENV_MIN_M)
 
 

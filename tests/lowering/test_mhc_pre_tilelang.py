@@ -78,7 +78,8 @@ def test_kernel_rejects_what_it_cannot_run():
     assert tlp.groups_for(132) == 8 and tlp.groups_for(114) == 7 and tlp.groups_for(8) == 1
 
 
-@pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-producer", "wg1-split"])
+@pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-producer", "wg1-split",
+                                  "wg1-split-v2"])
 def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     """The sm_90a build: one wgmma shape (m64n24k16, the 24 mix columns unpadded), rounding spelled out
     (no contraction: nvcc --fmad=false and explicit __f*_rn), the residual loads by TMA with the
@@ -97,8 +98,7 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     producer = cfg.get("producer", False)
     rings = cfg.get("rings", 1)
     split = cfg.get("split_roles", False)
-    k = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, cfg["stages"], cfg["wgs"], producer=producer, rings=rings,
-                                     split_roles=split), producer)
+    k = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, **cfg), producer)
     src = k.get_kernel_source()
     if producer:
         assert src.count("__syncthreads()") == 1  # the barriers' initialization
@@ -110,8 +110,11 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
             assert "if (((int)threadIdx.x) < 64) {" in src
             assert "empty[(((((int)threadIdx.x) >> 5) * 2) + (q & 1))].wait(" in src
             assert "if (((int)threadIdx.x) < 256) {" in src and "if (256 <= ((int)threadIdx.x)) {" in src
-        # two consumer warpgroups (384 threads) need registers moved to them; one (256) has them already
-        assert ("warpgroup_reg_alloc<240>" in src) == (cfg["wgs"] * rings * (2 if split else 1) == 2)
+        # two consumer warpgroups (384 threads) need registers moved to them; one (256) has them already, and
+        # with three (512) each role keeps the launch's 128
+        vec_wgs = cfg.get("vec_wgs", 1)
+        assert ("warpgroup_reg_alloc<240>" in src) == (cfg["wgs"] * rings * (1 + vec_wgs if split else 1) == 2)
+        assert "warpgroup_reg_alloc" not in src or vec_wgs == 1
         if split:
             dots, rest = src.split("if (256 <= ((int)threadIdx.x)) {")
             assert "if (((int)threadIdx.x) < 256) {" in dots and "wgmma_ss<" not in rest
@@ -153,7 +156,8 @@ def _skip_without_tilelang():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-producer", "wg1-split"])
+@pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-producer", "wg1-split",
+                                  "wg1-split-v2"])
 @pytest.mark.parametrize("m", [1, 4096, 4097, 65536])
 def test_gpu_matches_the_triton_kernel(m, name):
     """x, pre, post and comb against the Triton mhc_pre; bitwise is the goal (same numerics, n24 instead
@@ -212,12 +216,12 @@ def test_configs_are_whole():
 
 
 def test_provider_runs_from_its_threshold(monkeypatch):
-    """On by default from M = 8192 (measured faster than the Triton op there, slower at decode sizes); off when
+    """On by default from M = 2048 (measured faster than the Triton op there, slower at decode sizes); off when
     TILELANG_PRE_MIN_M is None; never in batch-invariant mode."""
     from dsv41_passes.lowering import mhc as ops
 
     if "DSV41_MHC_PRE_TILELANG_MIN_M" not in __import__("os").environ:
-        assert ops.TILELANG_PRE_MIN_M == 8192
+        assert ops.TILELANG_PRE_MIN_M == 2048
 
     monkeypatch.setattr(registry, "tilelang_available", lambda t: None)
     m = 8192

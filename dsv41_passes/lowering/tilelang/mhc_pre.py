@@ -1,8 +1,8 @@
 """TileLang ``mhc_pre`` for prefill sizes (sm_90a): one persistent kernel, one read of the residual, the
 collapse + RMSNorm written to HBM once (``mhc_pre_kernel``), then the Triton finish kernel on its partials.
-It gives the Triton kernel's bits. The op runs it from ``lowering.mhc.TILELANG_PRE_MIN_M`` (8192) tokens up:
-with split roles (``wg1-split``, the default since run 115) it measured 5-10% faster than the Triton op from
-M = 4096 up on the H200, and slower at decode sizes (``docs/performance.md``).
+It gives the Triton kernel's bits. The op runs it from ``lowering.mhc.TILELANG_PRE_MIN_M`` (2048) tokens up:
+with split roles and the vector work on two warpgroups (``wg1-split-v2``, the default since run 123) it measured
+5-16% faster than the Triton op from M = 2048 up on the H200, and slower at decode sizes (``docs/performance.md``).
 Here: the launch configs, the compiled-kernel cache, the input checks and the host wrappers.
 """
 
@@ -76,8 +76,12 @@ CONFIGS = {
     # run115-probe_mhc_pre-norm-in-mma.log (the op, timed in turn, ms at 65536 / 16384 / 4096 / 4097): 1.467 / 0.380 /
     # 0.106 / 0.113 against 1.580 / 0.404 / 0.113 / 0.121 for wg1-producer and 1.628 / 0.415 / 0.112 / 0.112 Triton
     "wg1-split": dict(wgs=1, stages=4, lag=LAG, producer=True, split_roles=True),
+    # the same with the vector role on two warpgroups (512 threads, 128 registers each); run123/125/126-probe_mhc_pre
+    # (timed in turn, ms at 65536 / 16384 / 4096): 1.443 / 0.363 / 0.100, 1.394 / 0.354 / 0.101 and 1.427 / 0.364 /
+    # 0.100 against 1.554 / 0.387 / 0.107 and 1.494 / 0.377 / 0.107 for wg1-split (runs 123, 125)
+    "wg1-split-v2": dict(wgs=1, stages=4, lag=LAG, producer=True, split_roles=True, vec_wgs=2),
 }
-DEFAULT_CONFIG = CONFIGS["wg1-split"]
+DEFAULT_CONFIG = CONFIGS["wg1-split-v2"]
 
 
 def partials(h, pre_prev, sliced, weight, eps: float, *, config: dict | None = None, groups: int | None = None):

@@ -52,14 +52,23 @@ as much un-normalized x waits in L2, and the extra bytes suggest that x goes out
 the two rings took 1.656 ms, and one warpgroup with lag 3 took 1.983 (run 110). So the kernel is bound by
 that round trip, not by issue.
 
-Split roles (``split_roles=True``, config ``wg1-split``, the default since run 115): the producer warpgroup and two
-consumer warpgroups on the same row block, warpgroup 1 issuing the 12 dots and summing the hi parts, warpgroup 2
+Split roles (``split_roles=True``, config ``wg1-split``, the default from run 115 to 122): the producer warpgroup and
+two consumer warpgroups on the same row block, warpgroup 1 issuing the 12 dots and summing the hi parts, warpgroup 2
 doing the sums of squares, the collapse and the norm; both release each stage. Alone (run 113) this gained little:
 Nsight Compute's source view showed the other warpgroup's wait had been the pre weights, loaded at a row block's
 first step and used at once (one DRAM latency a block). They are loaded a block ahead now; with both, the op took
 1.467 ms at M = 65536 and 0.380 at 16384 against 1.580 / 0.404 for ``wg1-producer`` (run 115). The wgmma
 descriptors, rebuilt from the shared address for every dot, were a fifth of the stall samples with one warpgroup,
 but building them once (run 112) gained 1%: that code is not kept.
+
+Two vector warpgroups (``vec_wgs=2``, config ``wg1-split-v2``, the default since run 123): the second role on
+warpgroups 2 and 3, four threads a row, each owning one run of 8 columns of a chunk (``run_col``), so two warps a
+scheduler share that work; the tree of the sums of squares pairs the same runs (two shuffles instead of one), so
+the bits are unchanged. 512 threads keep the launch's 128 registers each (109 used, no spills; no ``setmaxnreg``).
+It took the op from 1.554 / 0.387 / 0.107 to 1.443 / 0.363 / 0.100 ms at M = 65536 / 16384 / 4096 (run 123).
+Nsight Compute (run 124, M = 16384) then has L2 83% busy and DRAM 63%. Not kept: the lo part resident too (two
+stages fit; 1.526 ms against 1.394, run 125) and a sleep between polls of the norm partials (no change up to
+1024 ns, run 126: the polls do not spin long).
 """
 
 # No ``from __future__ import annotations``: TileLang evaluates the prim_func annotations.
@@ -73,7 +82,7 @@ from .register_split import CONSUMER_REGS, PRODUCER_REGS, launch_regs, split_rea
 HC = 4
 NMIX = (2 + HC) * HC  # 24 mix columns, the wgmma N
 BM = 64  # rows a row block (one warpgroup's wgmma M)
-HALF = 16  # columns of a chunk a thread owns (two threads a row), as two runs of 8:
+HALF = 16  # columns of a chunk a thread owns (two threads a row; 8 with ``vec_wgs=2``), as two runs of 8:
 # [8 hf, 8 hf + 8) and [16 + 8 hf, 24 + 8 hf), so each 16-byte access of a warp pairs with its
 # neighbour's into one whole 32-byte sector of the row
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
@@ -105,7 +114,8 @@ def _n24():
 
 # ----------------------------------------------------------------------------- kernel
 def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: int = 1, lag: int = LAG,
-          mid_resident: bool = True, producer: bool = False, rings: int = 1, split_roles: bool = False):
+          mid_resident: bool = True, producer: bool = False, rings: int = 1, split_roles: bool = False,
+          vec_wgs: int = 1):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
@@ -116,7 +126,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     of the CTA, each with a stage ring of its own filled by a producer warp of its own (warp 0 or 1), so they
     do not step together; ``split_roles`` (with a producer, one warpgroup a row block, one ring): two consumer
     warpgroups on the same row block, one issuing the dots and summing the hi parts, the other computing the sums of
-    squares, the collapse and the norm, so neither waits behind the other's instructions.
+    squares, the collapse and the norm, so neither waits behind the other's instructions; ``vec_wgs`` 2 (with split
+    roles): that second role on two warpgroups, four threads a row owning 8 columns of a chunk each (two warps a
+    scheduler instead of one), the same sums in the same order.
 
     Arguments: ``h [M, 4d]`` bf16, ``hi/mid/lo [16, 4, 24, d/16]`` bf16 (slice-major parts), ``pre_prev
     [M, 4]`` f32, ``w [d]`` f32 -> ``x [M, d]`` bf16 (normalized), ``ws [nrb*16*64, 24]``, ``ss``,
@@ -133,11 +145,22 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     if split_roles and (not producer or wgs != 1 or rings != 1):
         raise ValueError("TileLang mhc_pre: split roles need a producer warpgroup, one warpgroup a row block and "
                          "one ring")
-    consumers = 128 * wgs * rings * (2 if split_roles else 1)
+    if vec_wgs not in (1, 2) or (vec_wgs == 2 and not split_roles):
+        raise ValueError("TileLang mhc_pre: two vector warpgroups need split roles")
+    consumers = 128 * wgs * rings * (1 + vec_wgs if split_roles else 1)
     threads = consumers + (128 if producer else 0)
     lead = 32 if producer else None  # the threads a TMA issue elects its thread from
-    # registers move to the consumers only where the launch gives a thread fewer than they need
-    split_regs = producer and CONSUMER_REGS > launch_regs(threads)
+    # registers move to the consumers only where the launch gives a thread fewer than they need; with four
+    # warpgroups the launch's 128 a thread is what each role gets
+    split_regs = producer and vec_wgs == 1 and CONSUMER_REGS > launch_regs(threads)
+    tpr = 2 * vec_wgs  # threads of the vector work a row
+    nrun = 4 // tpr  # runs of 8 columns of a chunk a thread owns
+    vals = 8 * nrun
+
+    def run_col(p, i):
+        """Column within a chunk of run i of the thread with part p of its row (see HALF): runs 8 p and 16 + 8 p
+        with two threads a row, run 8 p with four (the same 32 columns, the same pairs of runs in the tree)."""
+        return i * 16 + p * 8 if nrun == 2 else p * 8
     if split_regs and split_reason(consumers):
         raise ValueError(f"TileLang mhc_pre: {split_reason(consumers)}")
     bm = BM * wgs  # rows a kernel row block; the partials keep 64-row blocks (the finish kernel's layout)
@@ -167,24 +190,24 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
 
     @T.macro
     def norm_chunk(x, w_s, row, col2, lcol, hf, xn, wv, red):
-        """x[row, this thread's 16 columns of the chunk at col2] <- bf16(w * (x * rstd)) from xn (the
+        """x[row, this thread's columns of the chunk at col2] <- bf16(w * (x * rstd)) from xn (the
         un-normalized values, loaded before); lcol: the chunk's column within the slice (w_s)."""
-        for u in T.unroll(2):
+        for u in T.unroll(nrun):
             for e in T.vectorized(8):
-                wv[u * 8 + e] = w_s[lcol + u * 16 + hf * 8 + e]
-        for v in T.unroll(HALF):
+                wv[u * 8 + e] = w_s[lcol + run_col(hf, u) + e]
+        for v in T.unroll(vals):
             xn[v] = T.cast(T.ieee_mul(wv[v], T.ieee_mul(T.cast(xn[v], f32), red[1])), bf16)
         if row < m:
-            for u in T.unroll(2):
+            for u in T.unroll(nrun):
                 for e in T.vectorized(8):
-                    x[row, col2 + u * 16 + hf * 8 + e] = xn[u * 8 + e]
+                    x[row, col2 + run_col(hf, u) + e] = xn[u * 8 + e]
 
     @T.macro
     def load_chunk(x, row, col2, hf, xn):
         if row < m:
-            for u in T.unroll(2):
+            for u in T.unroll(nrun):
                 for e in T.vectorized(8):
-                    xn[u * 8 + e] = x[row, col2 + u * 16 + hf * 8 + e]
+                    xn[u * 8 + e] = x[row, col2 + run_col(hf, u) + e]
 
     @T.macro
     def stream_dots(a, hi, md, mds, k, lo, sh, acc_mid, acc_lo, st, c):
@@ -198,10 +221,10 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
 
     @T.macro
     def load_stream(a, hv, st, r, hf):
-        """This thread's 16 values of a stream's chunk, from the shared stage, as fp32."""
-        for u in T.unroll(2):
+        """This thread's values of a stream's chunk, from the shared stage, as fp32."""
+        for u in T.unroll(nrun):
             for e in T.vectorized(8):
-                hv[u * 8 + e] = T.cast(a[st, r, u * 16 + hf * 8 + e], f32)
+                hv[u * 8 + e] = T.cast(a[st, r, run_col(hf, u) + e], f32)
 
     @T.macro
     def issue(h, wlo, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds, full, ring=0):
@@ -263,8 +286,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
             a0, a1, a2, a3, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, md0, md1, md2, md3, mds = b.smem
             full = b.full
             sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red, prn = b.regs
-            r = lt // 2
-            hf = lt % 2
+            r = lt // tpr if role == "vec" else lt // 2
+            hf = lt % tpr if role == "vec" else lt % 2
             if vec:  # the first row block's pre weights (``prn``: the next block's, loaded a block ahead)
                 row0 = (g + (ring if rings > 1 else 0) * groups) * bm + r
                 for k in T.unroll(HC):
@@ -289,7 +312,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                         T.clear(acc_mid)
                         T.clear(acc_lo)
                     if vec:
-                        for v in T.unroll(HALF):
+                        for v in T.unroll(vals):
                             sq[v] = 0.0
                             xq[v] = 0.0
                         # this block's pre weights were loaded a block ahead (loaded here, their latency stalled
@@ -311,7 +334,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                     load_stream(a1, hv1, st, r, hf)
                     load_stream(a2, hv2, st, r, hf)
                     load_stream(a3, hv3, st, r, hf)
-                    for v in T.unroll(HALF):
+                    for v in T.unroll(vals):
                         sq[v] = T.ieee_fmaf(hv0[v], hv0[v], sq[v])
                         sq[v] = T.ieee_fmaf(hv1[v], hv1[v], sq[v])
                         sq[v] = T.ieee_fmaf(hv2[v], hv2[v], sq[v])
@@ -328,9 +351,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                         )
                         xq[v] = T.ieee_fmaf(T.cast(xo[v], f32), T.cast(xo[v], f32), xq[v])
                     if row < m:
-                        for u in T.unroll(2):
+                        for u in T.unroll(nrun):
                             for e in T.vectorized(8):
-                                x[row, col + u * 16 + hf * 8 + e] = xo[u * 8 + e]
+                                x[row, col + run_col(hf, u) + e] = xo[u * 8 + e]
                 if mma:
                     T.wait_wgmma(0)
                     for i, n in T.Parallel(bm, NMIX):
@@ -356,17 +379,27 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                     # pairwise tree over the 32 chunk positions: within each run of 8 here (levels 1-3),
                     # then (run0 + partner's run0) + (run1 + partner's run1) (levels 4-5)
                     for lvl in T.unroll(3):
-                        for u in T.unroll(2):
+                        for u in T.unroll(nrun):
                             for v in T.unroll(4):
                                 if v < (4 >> lvl):
                                     sq[u * 8 + v] = T.ieee_add(sq[u * 8 + 2 * v], sq[u * 8 + 2 * v + 1])
                                     xq[u * 8 + v] = T.ieee_add(xq[u * 8 + 2 * v], xq[u * 8 + 2 * v + 1])
-                    red[0] = T.shfl_xor(sq[0], 1)
-                    red[1] = T.shfl_xor(sq[8], 1)
-                    sq[0] = T.ieee_add(T.ieee_add(sq[0], red[0]), T.ieee_add(sq[8], red[1]))
-                    red[0] = T.shfl_xor(xq[0], 1)
-                    red[1] = T.shfl_xor(xq[8], 1)
-                    xq[0] = T.ieee_add(T.ieee_add(xq[0], red[0]), T.ieee_add(xq[8], red[1]))
+                    if nrun == 2:
+                        red[0] = T.shfl_xor(sq[0], 1)
+                        red[1] = T.shfl_xor(sq[8], 1)
+                        sq[0] = T.ieee_add(T.ieee_add(sq[0], red[0]), T.ieee_add(sq[8], red[1]))
+                        red[0] = T.shfl_xor(xq[0], 1)
+                        red[1] = T.shfl_xor(xq[8], 1)
+                        xq[0] = T.ieee_add(T.ieee_add(xq[0], red[0]), T.ieee_add(xq[8], red[1]))
+                    else:  # runs 8p: (run 0 + run 8) + (run 16 + run 24), lanes 4r + p
+                        red[0] = T.shfl_xor(sq[0], 1)
+                        red[1] = T.shfl_xor(xq[0], 1)
+                        sq[0] = T.ieee_add(sq[0], red[0])
+                        xq[0] = T.ieee_add(xq[0], red[1])
+                        red[0] = T.shfl_xor(sq[0], 2)
+                        red[1] = T.shfl_xor(xq[0], 2)
+                        sq[0] = T.ieee_add(sq[0], red[0])
+                        xq[0] = T.ieee_add(xq[0], red[1])
                     if hf == 0:
                         ss[pslot(rb, r, s)] = sq[0]
                         T.atomic_store(xss[pslot(rb, r, s)], xq[0], memory_order="relaxed")
@@ -428,18 +461,18 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
             frags = []
             for _ring in [0, 1][:rings]:
                 frags.append([T.alloc_fragment((bm, NMIX), f32) for _ in range(7)])
-            # thread (r, hf) = (tx // 2, tx % 2) owns 16 columns of every chunk of row r (see HALF)
-            sq = T.alloc_local((HALF,), f32)
-            xq = T.alloc_local((HALF,), f32)
+            # vector thread (r, hf) = (lt // tpr, lt % tpr) owns the runs run_col(hf, .) of every chunk of row r
+            sq = T.alloc_local((vals,), f32)
+            xq = T.alloc_local((vals,), f32)
             pr = T.alloc_local((HC,), f32)
             prn = T.alloc_local((HC,), f32)
-            hv0 = T.alloc_local((HALF,), f32)
-            hv1 = T.alloc_local((HALF,), f32)
-            hv2 = T.alloc_local((HALF,), f32)
-            hv3 = T.alloc_local((HALF,), f32)
-            xo = T.alloc_local((HALF,), bf16)
-            xn = T.alloc_local((HALF,), bf16)
-            wv = T.alloc_local((HALF,), f32)
+            hv0 = T.alloc_local((vals,), f32)
+            hv1 = T.alloc_local((vals,), f32)
+            hv2 = T.alloc_local((vals,), f32)
+            hv3 = T.alloc_local((vals,), f32)
+            xo = T.alloc_local((vals,), bf16)
+            xn = T.alloc_local((vals,), bf16)
+            wv = T.alloc_local((vals,), f32)
             w_s = T.alloc_shared((ds,), f32)  # this slice's norm weights
             pv = T.alloc_local((S,), f32)
             red = T.alloc_local((2,), f32)
@@ -481,7 +514,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                     smem=(a0, a1, a2, a3, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, md0, md1, md2, md3, mds),
                     full=full, empty=empty if producer else None,
                     regs=(sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red, prn))
-                if split_roles:  # warpgroup 1 issues the dots, warpgroup 2 does the rest
+                if split_roles:  # warpgroup 1 issues the dots, warpgroup 2 (and 3) does the rest
                     if tx < 256:
                         consumer(0, "mma")(nloc, frags[0], tx - 128, b)
                     if tx >= 256:
