@@ -119,6 +119,10 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
             dots, rest = src.split("if (256 <= ((int)threadIdx.x)) {")
             assert "if (((int)threadIdx.x) < 256) {" in dots and "wgmma_ss<" not in rest
             assert "AtomicStore" in rest and "AtomicStore" not in dots.split("if (((int)threadIdx.x) < 256) {")[1]
+            # two vector warpgroups: 512 threads, four a row, the runs' sums paired across lanes 1 then 2 apart
+            assert f"__launch_bounds__({256 + 128 * vec_wgs}" in src
+            lanes = set(re.findall(r"__shfl_xor_sync\([^,]*, [^,]*, (\d+)", rest))
+            assert lanes == ({"1", "2"} if vec_wgs == 2 else {"1"}), lanes
     shapes = set(re.findall(r"wgmma_ss<[^>]*kFloat32, (\d+), (\d+), (\d+),", src))
     assert shapes == {("64", "24", "16")}, shapes
     assert src.count("wgmma_ss<") == 12 * rings  # 4 streams x (hi, mid, lo) a step
@@ -213,6 +217,16 @@ def test_configs_are_whole():
     with pytest.raises(ValueError, match="wgs and stages"):
         tlp.partials(torch.empty(1, 4, FLASH_D, dtype=torch.bfloat16), torch.empty(1, 4), None, None, 1e-6,
                      config={"lag": 1}, groups=1)
+
+
+def test_two_vector_warpgroups_need_split_roles():
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+
+    pytest.importorskip("tilelang")
+    with pytest.raises(ValueError, match="two vector warpgroups need split roles"):
+        tlp.build(FLASH_D, 8, EPS, stages=4, wgs=1, producer=True, vec_wgs=2)
+    with pytest.raises(ValueError, match="two vector warpgroups"):
+        tlp.build(FLASH_D, 8, EPS, stages=4, wgs=1, producer=True, split_roles=True, vec_wgs=3)
 
 
 def test_provider_runs_from_its_threshold(monkeypatch):
