@@ -36,39 +36,23 @@ Cross-CTA waits: a CTA waits only for the 16 CTAs of its own group, ``LAG`` row 
 grid is at most one CTA per SM (212 KiB of shared memory each), so every CTA a wait depends on is
 resident or, with another kernel on the device, scheduled once that kernel's blocks retire.
 
-Where the time goes (Nsight Compute, run 43, M = 16384): one warpgroup a SM issues an instruction every
-3 cycles a scheduler (34% of the stall samples issuing, 24% waiting on fixed-latency dependencies, 13%
-each at barriers and on loads); DRAM 47%, L2 68% busy.
+Warpgroups (``mhc_pre.CONFIGS``; the measurements behind each step are in ``docs/performance.md``, "What runs
+107-110 / 111-117 / 123-129 changed"):
 
-The producer warpgroup (configs ``*-producer``, ``build(producer=True)``, the default since run 107): a
-warpgroup of its own issues the copies (warp 0), so the consumer warpgroups no longer sync the CTA at each
-step or issue TMA; they release a stage on the mbarrier ``empty`` once its wgmma and their reads are done.
-The arithmetic and its order are unchanged. With two consumer warpgroups (384 threads) the registers move to
-them by ``setmaxnreg`` (24 / 240). It took the op from 1.86 to 1.60 ms at M = 65536 (run 107), about the
-Triton kernel's time. Two consumer warpgroups on alternate row blocks, each with a ring of its own
-(``rings=2``), measured slower again (1.98 ms, run 108). Run 109's profile (M = 16384) has it moving about
-1.55 GB through DRAM against 1.04 GB with one warpgroup: a ring's ``lag`` counts its own row blocks, so twice
-as much un-normalized x waits in L2, and the extra bytes suggest that x goes out to DRAM and back. With lag 1
-the two rings took 1.656 ms, and one warpgroup with lag 3 took 1.983 (run 110). So the kernel is bound by
-that round trip, not by issue.
-
-Split roles (``split_roles=True``, config ``wg1-split``, the default from run 115 to 122): the producer warpgroup and
-two consumer warpgroups on the same row block, warpgroup 1 issuing the 12 dots and summing the hi parts, warpgroup 2
-doing the sums of squares, the collapse and the norm; both release each stage. Alone (run 113) this gained little:
-Nsight Compute's source view showed the other warpgroup's wait had been the pre weights, loaded at a row block's
-first step and used at once (one DRAM latency a block). They are loaded a block ahead now; with both, the op took
-1.467 ms at M = 65536 and 0.380 at 16384 against 1.580 / 0.404 for ``wg1-producer`` (run 115). The wgmma
-descriptors, rebuilt from the shared address for every dot, were a fifth of the stall samples with one warpgroup,
-but building them once (run 112) gained 1%: that code is not kept.
-
-Two vector warpgroups (``vec_wgs=2``, config ``wg1-split-v2``, the default since run 123): the second role on
-warpgroups 2 and 3, four threads a row, each owning one run of 8 columns of a chunk (``run_col``), so two warps a
-scheduler share that work; the tree of the sums of squares pairs the same runs (two shuffles instead of one), so
-the bits are unchanged. 512 threads keep the launch's 128 registers each (109 used, no spills; no ``setmaxnreg``).
-It took the op from 1.554 / 0.387 / 0.107 to 1.443 / 0.363 / 0.100 ms at M = 65536 / 16384 / 4096 (run 123).
-Nsight Compute (run 124, M = 16384) then has L2 83% busy and DRAM 63%. Not kept: the lo part resident too (two
-stages fit; 1.526 ms against 1.394, run 125) and a sleep between polls of the norm partials (no change up to
-1024 ns, run 126: the polls do not spin long).
+* ``producer``: a warpgroup of its own issues the copies (warp 0); the consumers release a stage on the
+  mbarrier ``empty`` once its wgmma and their reads are done, and never sync the CTA (run 107: 1.86 -> 1.60 ms
+  at M = 65536). With 384 threads the registers move to the consumers by ``setmaxnreg`` (24 / 240).
+* ``split_roles``: warpgroup 1 issues the 12 dots and sums the hi parts, warpgroup 2 the sums of squares, the
+  collapse and the norm, with the pre weights loaded a block ahead (run 115: 1.47 ms).
+* ``vec_wgs=2`` (config ``wg1-split-v2``, the default since run 123): the second role on warpgroups 2 and 3, four
+  threads a row, each owning one run of 8 columns of a chunk (``run_col``), two warps a scheduler; the tree of the
+  sums of squares pairs the same runs, so the bits are unchanged. 512 threads keep the launch's 128 registers
+  (109 used, no spills). Run 123: 1.554 -> 1.443 ms at 65536; the profile then has L2 83% and DRAM 63% busy
+  (run 124, M = 16384), and x partly goes out to DRAM and back before its normalization.
+* Slower (kept as configs): two rings on alternate row blocks (``rings=2``, run 108: twice the un-normalized x
+  waits in L2), 128-row blocks (``wgs=2``), the mid part streamed, ``lag`` 1 or 3. Measured and not in the tree:
+  the lo part resident (two stages fit: slower), the wgmma descriptors built once (1% faster, a CUDA
+  post-processing step), a sleep between polls (no change).
 """
 
 # No ``from __future__ import annotations``: TileLang evaluates the prim_func annotations.
