@@ -81,6 +81,10 @@ CONFIGS = {
     # 0.100 against 1.554 / 0.387 / 0.107 and 1.494 / 0.377 / 0.107 for wg1-split (runs 123, 125)
     "wg1-split-v2": dict(wgs=1, stages=4, lag=LAG, producer=True, split_roles=True, vec_wgs=2),
 }
+# the same with L2 eviction hints on the x stores (the un-normalized collapse evict-last, the normalized one
+# evict-first): built and checked on CPU only, not yet timed on a GPU (the device time of the session that wrote it
+# was spent)
+CONFIGS["wg1-split-v2-xhints"] = dict(CONFIGS["wg1-split-v2"], x_hints=True)
 DEFAULT_CONFIG = CONFIGS["wg1-split-v2"]
 
 

@@ -53,6 +53,8 @@ Warpgroups (``mhc_pre.CONFIGS``; the measurements behind each step are in ``docs
   waits in L2), 128-row blocks (``wgs=2``), the mid part streamed, ``lag`` 1 or 3. Measured and not in the tree:
   the lo part resident (two stages fit: slower), the wgmma descriptors built once (1% faster, a CUDA
   post-processing step), a sleep between polls (no change).
+* ``x_hints`` (config ``wg1-split-v2-xhints``): L2 eviction policies on the x stores (evict-last for the un-normalized
+  collapse, evict-first for the normalized one), against that DRAM round trip; compiled on CPU, not yet timed.
 """
 
 # No ``from __future__ import annotations``: TileLang evaluates the prim_func annotations.
@@ -78,6 +80,18 @@ PRODUCER_PASS_CONFIGS = dict(PASS_CONFIGS, **{"tl.disable_thread_storage_sync": 
 DEFAULT_STAGES = 4
 LAG = 2  # a row block is normalized while its CTA computes the one this many row blocks later
 SENTINEL = -1.0  # xss before publication (a sum of squares is >= 0 or NaN, never -1)
+# 16-byte global stores with an L2 eviction policy (``x_hints``)
+X_HINTS_SOURCE = r"""
+#define DSV41_ST16(NAME, POLICY)                                                                          \
+  __device__ __forceinline__ void NAME(void* dst, void* src) {                                            \
+    const uint4 v = *reinterpret_cast<const uint4*>(src);                                                 \
+    asm volatile("{\n .reg .b64 pol;\n createpolicy.fractional.L2::" POLICY ".b64 pol, 1.0;\n"           \
+                 " st.global.L2::cache_hint.v4.b32 [%0], {%1, %2, %3, %4}, pol;\n}"                      \
+                 :: "l"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");                         \
+  }
+DSV41_ST16(dsv41_st16_evict_last, "evict_last")
+DSV41_ST16(dsv41_st16_evict_first, "evict_first")
+"""
 
 @contextlib.contextmanager
 def _n24():
@@ -99,7 +113,7 @@ def _n24():
 # ----------------------------------------------------------------------------- kernel
 def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: int = 1, lag: int = LAG,
           mid_resident: bool = True, producer: bool = False, rings: int = 1, split_roles: bool = False,
-          vec_wgs: int = 1):
+          vec_wgs: int = 1, x_hints: bool = False):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
@@ -112,7 +126,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     warpgroups on the same row block, one issuing the dots and summing the hi parts, the other computing the sums of
     squares, the collapse and the norm, so neither waits behind the other's instructions; ``vec_wgs`` 2 (with split
     roles): that second role on two warpgroups, four threads a row owning 8 columns of a chunk each (two warps a
-    scheduler instead of one), the same sums in the same order.
+    scheduler instead of one), the same sums in the same order; ``x_hints``: the un-normalized collapse is stored
+    with an L2 evict-last policy (it is read back ``lag`` row blocks later) and the normalized one evict-first.
 
     Arguments: ``h [M, 4d]`` bf16, ``hi/mid/lo [16, 4, 24, d/16]`` bf16 (slice-major parts), ``pre_prev
     [M, 4]`` f32, ``w [d]`` f32 -> ``x [M, d]`` bf16 (normalized), ``ws [nrb*16*64, 24]``, ``ss``,
@@ -183,8 +198,12 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
             xn[v] = T.cast(T.ieee_mul(wv[v], T.ieee_mul(T.cast(xn[v], f32), red[1])), bf16)
         if row < m:
             for u in T.unroll(nrun):
-                for e in T.vectorized(8):
-                    x[row, col2 + run_col(hf, u) + e] = xn[u * 8 + e]
+                if x_hints:
+                    T.call_extern("handle", "dsv41_st16_evict_first", T.address_of(x[row, col2 + run_col(hf, u)]),
+                                  T.address_of(xn[u * 8]))
+                else:
+                    for e in T.vectorized(8):
+                        x[row, col2 + run_col(hf, u) + e] = xn[u * 8 + e]
 
     @T.macro
     def load_chunk(x, row, col2, hf, xn):
@@ -336,8 +355,12 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                         xq[v] = T.ieee_fmaf(T.cast(xo[v], f32), T.cast(xo[v], f32), xq[v])
                     if row < m:
                         for u in T.unroll(nrun):
-                            for e in T.vectorized(8):
-                                x[row, col + run_col(hf, u) + e] = xo[u * 8 + e]
+                            if x_hints:
+                                T.call_extern("handle", "dsv41_st16_evict_last",
+                                              T.address_of(x[row, col + run_col(hf, u)]), T.address_of(xo[u * 8]))
+                            else:
+                                for e in T.vectorized(8):
+                                    x[row, col + run_col(hf, u) + e] = xo[u * 8 + e]
                 if mma:
                     T.wait_wgmma(0)
                     for i, n in T.Parallel(bm, NMIX):
@@ -411,7 +434,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         ss: T.Tensor((T.ceildiv(m, bm) * wgs * S * BM,), f32),
         xss: T.Tensor((T.ceildiv(m, bm) * wgs * S * BM,), f32),
     ):
-        with T.Kernel(groups * S, threads=threads) as cta:
+        with T.Kernel(groups * S, threads=threads, prelude=X_HINTS_SOURCE if x_hints else None) as cta:
             s = cta % S
             g = cta // S
             # resident parts, one [24, DS] tile a stream (laid out as DS/32 swizzled [24, 32] chunks)
