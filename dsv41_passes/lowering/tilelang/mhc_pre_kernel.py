@@ -188,6 +188,19 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         red[1] = T.ieee_fdiv(1.0, T.ieee_fsqrt(T.ieee_add(T.ieee_fdiv(red[0], float(d)), eps)))
 
     @T.macro
+    def store_x(x, row, col2, hf, src, policy):
+        """x[row, this thread's columns of the chunk at col2] <- src (bf16); with ``x_hints`` through the 16-byte
+        store helper of ``policy`` ("last" / "first")."""
+        if row < m:
+            for u in T.unroll(nrun):
+                if x_hints:
+                    T.call_extern("handle", f"dsv41_st16_evict_{policy}", T.address_of(x[row, col2 + run_col(hf, u)]),
+                                  T.address_of(src[u * 8]))
+                else:
+                    for e in T.vectorized(8):
+                        x[row, col2 + run_col(hf, u) + e] = src[u * 8 + e]
+
+    @T.macro
     def norm_chunk(x, w_s, row, col2, lcol, hf, xn, wv, red):
         """x[row, this thread's columns of the chunk at col2] <- bf16(w * (x * rstd)) from xn (the
         un-normalized values, loaded before); lcol: the chunk's column within the slice (w_s)."""
@@ -196,14 +209,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                 wv[u * 8 + e] = w_s[lcol + run_col(hf, u) + e]
         for v in T.unroll(vals):
             xn[v] = T.cast(T.ieee_mul(wv[v], T.ieee_mul(T.cast(xn[v], f32), red[1])), bf16)
-        if row < m:
-            for u in T.unroll(nrun):
-                if x_hints:
-                    T.call_extern("handle", "dsv41_st16_evict_first", T.address_of(x[row, col2 + run_col(hf, u)]),
-                                  T.address_of(xn[u * 8]))
-                else:
-                    for e in T.vectorized(8):
-                        x[row, col2 + run_col(hf, u) + e] = xn[u * 8 + e]
+        store_x(x, row, col2, hf, xn, "first")
 
     @T.macro
     def load_chunk(x, row, col2, hf, xn):
@@ -289,8 +295,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
             a0, a1, a2, a3, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, md0, md1, md2, md3, mds = b.smem
             full = b.full
             sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red, prn = b.regs
-            r = lt // tpr if role == "vec" else lt // 2
-            hf = lt % tpr if role == "vec" else lt % 2
+            r = lt // tpr  # (the dots' role uses neither)
+            hf = lt % tpr
             if vec:  # the first row block's pre weights (``prn``: the next block's, loaded a block ahead)
                 row0 = (g + (ring if rings > 1 else 0) * groups) * bm + r
                 for k in T.unroll(HC):
@@ -353,14 +359,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                             bf16,
                         )
                         xq[v] = T.ieee_fmaf(T.cast(xo[v], f32), T.cast(xo[v], f32), xq[v])
-                    if row < m:
-                        for u in T.unroll(nrun):
-                            if x_hints:
-                                T.call_extern("handle", "dsv41_st16_evict_last",
-                                              T.address_of(x[row, col + run_col(hf, u)]), T.address_of(xo[u * 8]))
-                            else:
-                                for e in T.vectorized(8):
-                                    x[row, col + run_col(hf, u) + e] = xo[u * 8 + e]
+                    store_x(x, row, col, hf, xo, "last")
                 if mma:
                     T.wait_wgmma(0)
                     for i, n in T.Parallel(bm, NMIX):
