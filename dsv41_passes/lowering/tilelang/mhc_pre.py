@@ -82,8 +82,8 @@ CONFIGS = {
     "wg1-split-v2": dict(wgs=1, stages=4, lag=LAG, producer=True, split_roles=True, vec_wgs=2),
 }
 # the same with L2 eviction hints on the x stores (the un-normalized collapse evict-last, the normalized one
-# evict-first): built and checked on CPU only, not yet timed on a GPU (the device time of the session that wrote it
-# was spent)
+# evict-first): less DRAM traffic (922 against 1006 MB at M = 16384) but no faster (0.3637 / 1.549 / 0.1014 against
+# 0.3591 / 1.489 / 0.1009 ms at 16384 / 65536 / 4096, run 130)
 CONFIGS["wg1-split-v2-xhints"] = dict(CONFIGS["wg1-split-v2"], x_hints=True)
 DEFAULT_CONFIG = CONFIGS["wg1-split-v2"]
 
