@@ -222,6 +222,28 @@ def test_configs_are_whole():
                      config={"lag": 1}, groups=1)
 
 
+def test_default_config_from_the_environment():
+    """DSV41_MHC_PRE_TILELANG_CONFIG picks the default among CONFIGS; an unknown name fails at import, naming them."""
+    import os
+    import sys
+
+    code = ("from dsv41_passes.lowering.tilelang import mhc_pre as t; "
+            "print(t.DEFAULT_CONFIG == t.CONFIGS['wg1-split'], t.DEFAULT_CONFIG is t.CONFIGS['wg1-split-v2'])")
+    root = str(Path(__file__).resolve().parents[2])
+
+    def run(value):
+        env = dict(os.environ, PYTHONPATH=root)
+        env.pop("DSV41_MHC_PRE_TILELANG_CONFIG", None)
+        if value is not None:
+            env["DSV41_MHC_PRE_TILELANG_CONFIG"] = value
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+
+    assert run(None).stdout.split() == ["False", "True"]
+    assert run("wg1-split").stdout.split() == ["True", "False"]
+    bad = run("wg9")
+    assert bad.returncode != 0 and "DSV41_MHC_PRE_TILELANG_CONFIG='wg9'" in bad.stderr and "wg1-split-v2" in bad.stderr
+
+
 def test_two_vector_warpgroups_need_split_roles():
     from dsv41_passes.lowering.tilelang import mhc_pre as tlp
 

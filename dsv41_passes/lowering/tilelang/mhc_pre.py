@@ -6,6 +6,7 @@ with split roles and the vector work on two warpgroups (``wg1-split-v2``, the de
 Here: the launch configs, the compiled-kernel cache, the input checks and the host wrappers.
 """
 
+import os
 import threading
 from typing import Any
 
@@ -85,7 +86,11 @@ CONFIGS = {
 # evict-first): less DRAM traffic (922 against 1006 MB at M = 16384) but no faster (0.3637 / 1.549 / 0.1014 against
 # 0.3591 / 1.489 / 0.1009 ms at 16384 / 65536 / 4096, run 130)
 CONFIGS["wg1-split-v2-xhints"] = dict(CONFIGS["wg1-split-v2"], x_hints=True)
-DEFAULT_CONFIG = CONFIGS["wg1-split-v2"]
+# DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
+_ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2")
+if _ENV_CONFIG not in CONFIGS:
+    raise ValueError(f"DSV41_MHC_PRE_TILELANG_CONFIG={_ENV_CONFIG!r}: not one of {sorted(CONFIGS)}")
+DEFAULT_CONFIG = CONFIGS[_ENV_CONFIG]
 
 
 def partials(h, pre_prev, sliced, weight, eps: float, *, config: dict | None = None, groups: int | None = None):
