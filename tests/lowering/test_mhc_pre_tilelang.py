@@ -79,7 +79,7 @@ def test_kernel_rejects_what_it_cannot_run():
 
 
 @pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-producer", "wg1-split",
-                                  "wg1-split-v2", "wg1-split-v2-xhints"])
+                                  "wg1-split-v2", "wg1-split-v2-xhints", "wg1-split-v2-normwg"])
 def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     """The sm_90a build: one wgmma shape (m64n24k16, the 24 mix columns unpadded), rounding spelled out
     (no contraction: nvcc --fmad=false and explicit __f*_rn), the residual loads by TMA with the
@@ -123,6 +123,10 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
             assert f"__launch_bounds__({256 + 128 * vec_wgs}" in src
             lanes = set(re.findall(r"__shfl_xor_sync\([^,]*, [^,]*, (\d+)", rest))
             assert lanes == ({"1", "2"} if vec_wgs == 2 else {"1"}), lanes
+    if cfg.get("norm_wg"):  # warps 2-3 alone poll the norm partials; the vector role hands blocks over and back
+        front, vector = src.split("if (256 <= ((int)threadIdx.x)) {")
+        assert src.count("AtomicLoad") == 1 and "if (64 <= ((int)threadIdx.x)) {" in front.split("AtomicLoad")[0]
+        assert "xdone[" in vector and "].arrive();" in vector and "xfree[" in vector and "].wait(" in vector
     if cfg.get("x_hints"):  # the plain x stores, once in the step and in the lagged norm, through the hinted helpers
         assert "createpolicy.fractional.L2::" in src and "st.global.L2::cache_hint.v4.b32" in src
         assert src.count("dsv41_st16_evict_last(") == 1 and src.count("dsv41_st16_evict_first(") == 2
@@ -164,7 +168,7 @@ def _skip_without_tilelang():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-producer", "wg1-split",
-                                  "wg1-split-v2", "wg1-split-v2-xhints"])
+                                  "wg1-split-v2", "wg1-split-v2-xhints", "wg1-split-v2-normwg"])
 @pytest.mark.parametrize("m", [1, 4096, 4097, 65536])
 def test_gpu_matches_the_triton_kernel(m, name):
     """x, pre, post and comb against the Triton mhc_pre; bitwise is the goal (same numerics, n24 instead

@@ -86,6 +86,12 @@ CONFIGS = {
 # evict-first): less DRAM traffic (922 against 1006 MB at M = 16384) but no faster (0.3637 / 1.549 / 0.1014 against
 # 0.3591 / 1.489 / 0.1009 ms at 16384 / 65536 / 4096, run 130)
 CONFIGS["wg1-split-v2-xhints"] = dict(CONFIGS["wg1-split-v2"], x_hints=True)
+# the normalization on warps 2-3 of the producer warpgroup (four threads a row, each block once its slices have
+# published) instead of the vector role's lagged chunk a step, which costs the default about 10% (run 133). Same bits;
+# run135-probe-together.log (timed in turn, medians, ms at 65536 / 16384 / 4096): 1.438 / 0.3634 / 0.1056 against
+# 1.462 / 0.3719 / 0.1005: the norm's work moved, not its cost (the lagged norm's x round trip through L2 stays).
+# Starting a block only once the next one is stored too (fewer polls) was slower: 1.461 / 0.3805 / 0.1086.
+CONFIGS["wg1-split-v2-normwg"] = dict(CONFIGS["wg1-split-v2"], norm_wg=True)
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
 _ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2")
 if _ENV_CONFIG not in CONFIGS:

@@ -114,7 +114,7 @@ def _n24():
 # ----------------------------------------------------------------------------- kernel
 def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: int = 1, lag: int = LAG,
           mid_resident: bool = True, producer: bool = False, rings: int = 1, split_roles: bool = False,
-          vec_wgs: int = 1, x_hints: bool = False):
+          vec_wgs: int = 1, x_hints: bool = False, norm_wg: bool = False):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
@@ -128,7 +128,10 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     squares, the collapse and the norm, so neither waits behind the other's instructions; ``vec_wgs`` 2 (with split
     roles): that second role on two warpgroups, four threads a row owning 8 columns of a chunk each (two warps a
     scheduler instead of one), the same sums in the same order; ``x_hints``: the un-normalized collapse is stored
-    with an L2 evict-last policy (it is read back ``lag`` row blocks later) and the normalized one evict-first.
+    with an L2 evict-last policy (it is read back ``lag`` row blocks later) and the normalized one evict-first;
+    ``norm_wg`` (with two vector warpgroups): warps 2 and 3 of the producer warpgroup, four threads a row, normalize
+    each row block once its 16 slices have published their norm partials, instead of the vector role one chunk a
+    step ``lag`` blocks behind (mbarriers ``xdone`` / ``xfree``, a ring of ``lag + 1``, hand the blocks over).
 
     Arguments: ``h [M, 4d]`` bf16, ``hi/mid/lo [16, 4, 24, d/16]`` bf16 (slice-major parts), ``pre_prev
     [M, 4]`` f32, ``w [d]`` f32 -> ``x [M, d]`` bf16 (normalized), ``ws [nrb*16*64, 24]``, ``ss``,
@@ -147,6 +150,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                          "one ring")
     if vec_wgs not in (1, 2) or (vec_wgs == 2 and not split_roles):
         raise ValueError("TileLang mhc_pre: two vector warpgroups need split roles")
+    if norm_wg and (vec_wgs != 2 or x_hints):
+        raise ValueError("TileLang mhc_pre: the normalizing warps need two vector warpgroups (and no x_hints)")
+    nring = lag + 1  # row blocks the vector role may run ahead of the normalizing warps (``norm_wg``)
     consumers = 128 * wgs * rings * (1 + vec_wgs if split_roles else 1)
     threads = consumers + (128 if producer else 0)
     lead = 32 if producer else None  # the threads a TMA issue elects its thread from
@@ -275,6 +281,34 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
             T.tma_copy(wmid[s, 3, :, :], md3, barrier=wbar[0], leader_scope_threads=lead)
         T.mbarrier_arrive(wbar[0])
 
+    @T.macro
+    def normalize_blocks(x, nw, xss, s, g, nloc, lt, xdone, xfree, xr, wr, pv, red):
+        """``norm_wg`` (thread ``lt`` of the 64): each of the CTA's row blocks in order, once the vector role has
+        stored it (``xdone``); four threads a row (8 columns of each chunk, so a warp's access covers 8 rows x 64
+        contiguous bytes), 16 rows a pass, a row's whole slice loaded at once once its 16 slices have published
+        their norm partials; then the block's ring slot is free (``xfree``)."""
+        q = lt % 4
+        for jj in T.serial(nloc):
+            rbn = g + jj * groups
+            T.mbarrier_wait_parity(xdone[jj % nring], (jj // nring) % 2)
+            for p in T.serial(BM // 16):
+                r = p * 16 + lt // 4
+                row = rbn * bm + r
+                row_rstd(xss, rbn, r, pv, red)
+                if row < m:
+                    for c2 in T.unroll(nc):
+                        for e in T.vectorized(8):
+                            xr[c2 * 8 + e] = x[row, s * ds + c2 * bk + q * 8 + e]
+                    for c2 in T.unroll(nc):
+                        for e in T.vectorized(8):
+                            wr[e] = nw[s * ds + c2 * bk + q * 8 + e]
+                        for e in T.unroll(8):  # norm_chunk's arithmetic
+                            xr[c2 * 8 + e] = T.cast(T.ieee_mul(wr[e], T.ieee_mul(T.cast(xr[c2 * 8 + e], f32), red[1])),
+                                                    bf16)
+                        for e in T.vectorized(8):
+                            x[row, s * ds + c2 * bk + q * 8 + e] = xr[c2 * 8 + e]
+            T.mbarrier_arrive(xfree[jj % nring])
+
     def ring_blocks(nloc, ring):
         """Row blocks of ``ring`` among the CTA's ``nloc`` (blocks ring, ring + rings, ...)."""
         return T.ceildiv(nloc - ring, rings) if rings > 1 else nloc
@@ -286,6 +320,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         mix partials) or "vec" (the rest)."""
         mma = role != "vec"
         vec = role != "mma"
+        lagged = vec and not norm_wg  # the vector role normalizes ``lag`` blocks behind
         base = ring * stages if rings > 1 else 0  # the ring's first stage
         back = groups * rings  # row blocks of the CTA's sequence between two of this ring's
 
@@ -312,10 +347,12 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                 # the row block ``lag`` back: its rsqrt at chunk 0, one chunk normalized a step
                 nrow = (rb - lag * back) * bm + r
                 ncol = col
-                if vec and j >= lag:
+                if lagged and j >= lag:
                     if c == 0:
                         row_rstd(xss, rb - lag * back, r, pv, red)
                     load_chunk(x, nrow, ncol, hf, xn)
+                if vec and norm_wg and c == 0 and j >= nring:  # the normalizing warps are done with block j - nring
+                    T.mbarrier_wait_parity(b.xfree[j % nring], (j // nring + 1) % 2)
                 if c == 0:
                     if mma:
                         T.clear(acc_hi)
@@ -375,7 +412,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                     if t + stages < nloc * nc:
                         issue(h, wlo, wmid, t + stages, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds,
                               full)
-                if vec and j >= lag:
+                if lagged and j >= lag:
                     norm_chunk(x, w_s, nrow, ncol, c * bk, hf, xn, wv, red)
                 if mma and c == nc - 1:
                     # publish this slice's partials (Triton finish layout)
@@ -410,8 +447,10 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                     if hf == 0:
                         ss[pslot(rb, r, s)] = sq[0]
                         T.atomic_store(xss[pslot(rb, r, s)], xq[0], memory_order="relaxed")
+                    if norm_wg:  # after this thread's x stores of the block (release: the warps read them next)
+                        T.mbarrier_arrive(b.xdone[j % nring])
             # the last ``lag`` row blocks of this CTA: normalized after the loop
-            for jj in T.serial(lag if vec else 0):
+            for jj in T.serial(lag if lagged else 0):
                 if nloc - lag + jj >= 0:
                     rbn = g + ((nloc - lag + jj) * rings + ring if rings > 1 else nloc - lag + jj) * groups
                     row_rstd(xss, rbn, r, pv, red)
@@ -464,6 +503,11 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
             wbar = T.alloc_barrier([32 if producer else threads])
             if producer:
                 empty = T.alloc_barrier([consumers // rings] * (stages * rings))
+            if norm_wg:  # a row block's x stored by the vector role / normalized by warps 2-3
+                xdone = T.alloc_barrier([128 * vec_wgs] * nring)
+                xfree = T.alloc_barrier([64] * nring)
+                xr = T.alloc_local((nc * 8,), bf16)
+                wr = T.alloc_local((8,), f32)
             # a ring's accumulators (each consumer warpgroup its own with two rings)
             frags = []
             for _ring in [0, 1][:rings]:
@@ -502,6 +546,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                             if q >= stages:  # use n of a stage waits for the release of use n - 1
                                 T.mbarrier_wait_parity(empty[st], ((q // stages) + 1) % 2)
                             issue(h, wlo, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds, full, ring)
+                    if norm_wg and tx >= 64:
+                        normalize_blocks(x, nw, xss, s, g, nloc, tx - 64, xdone, xfree, xr, wr, pv, red)
             else:
                 resident(whi, wmid, s, hi0, hi1, hi2, hi3, md0, md1, md2, md3, wbar)
             if (not producer) or tx >= 128:
@@ -520,6 +566,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                     io=(h, wlo, wmid, x, ws, ss, xss, pre_prev, w_s, s, g),
                     smem=(a0, a1, a2, a3, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, md0, md1, md2, md3, mds),
                     full=full, empty=empty if producer else None,
+                    xdone=xdone if norm_wg else None, xfree=xfree if norm_wg else None,
                     regs=(sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red, prn))
                 if split_roles:  # warpgroup 1 issues the dots, warpgroup 2 (and 3) does the rest
                     if tx < 256:
