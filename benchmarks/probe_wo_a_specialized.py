@@ -45,6 +45,8 @@ NO_ROPE = [dict(_BASE, persistent=True), dict(_BASE, persistent=True, stages=4, 
 # decode sizes (M <= 1024): the one-loop 128 x 128 kernel (``wo_a._DECODE``) split over K or not, and with
 # 64-column tiles
 DECODE = [dict(BN=bn, SPLIT=s) for bn in (128, 64) for s in (1, 2, 4, 8)]
+# the same split, the parts summed by the tile's thread block cluster through distributed shared memory
+DECODE += [dict(BN=bn, SPLIT=s, cluster=True) for bn in (128, 64) for s in (2, 4, 8)]
 
 
 def _bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -53,7 +55,7 @@ def _bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _name(c: dict) -> str:
     if c.get("one_loop"):
-        return f"one-loop BN={c['BN']} split={c.get('SPLIT', 1)}"
+        return f"one-loop BN={c['BN']} split={c.get('SPLIT', 1)}" + (" cluster" if c.get("cluster") else "")
     return ",".join(f"{k}={v}" for k, v in c.items() if _BASE.get(k) != v) or "tails"
 
 

@@ -411,6 +411,9 @@ out["specialized_registers_rd24"] = tw.lower_source(g, r, hpg, d, 24, tw.launch_
 out["specialized_one_pass"] = tw.lower_source(g, r, hpg, d, rd, dict(cons, persistent=False))
 regs = max((c for c in one_loop if c.get("rope_regs")), key=lambda c: (c["BM"] * c["BN"], c["stages"]))
 out["one_loop_rope_regs"] = tw.compile_kernel(g, r, hpg, d, rd, regs).get_kernel_source()  # nvcc, sm_90a
+clu = [c for c in one_loop if c.get("cluster") and c["BN"] == 64][0]  # split-K summed by the cluster
+out["decode_cluster"] = tw.compile_kernel(g, r, hpg, d, rd, tw.launch_config(clu, hpg * g, d, r, rd)
+                                          ).get_kernel_source()  # nvcc, sm_90a
 json.dump(out, sys.stdout)
 """
 
@@ -492,6 +495,16 @@ def test_tilelang_compiles_for_sm90a(tmp_path):
         assert "wgmma_rs" in loop and "wgmma_ss" in loop and "c_f[" in loop and "s_f[" in loop, name
         assert "fence_proxy_async" not in loop and "__sync_thread_partial" not in loop, name
         assert "((bfloat16_t*)a_s)[" in loop and "= ((bfloat16_t)" in loop, name
+    # split-K summed by the tile's cluster: each CTA's fp32 partial stays in its shared memory, a cluster barrier,
+    # then four columns a call read from every CTA (mapa + ld.shared::cluster) in part order, the bf16 z stored
+    # (no fp32 partial tensor), and a second cluster barrier before any CTA leaves
+    src = sources["decode_cluster"]
+    assert "blockIdx.z" in src and "bfloat16_t* __restrict__ Z" in src and "float* __restrict__ Z" not in src
+    assert "mapa.shared::cluster.u32" in src and "ld.shared::cluster.v4.f32" in src
+    body = src[src.index("__launch_bounds__"):]
+    sync1 = body.index("tl::cluster_sync()")
+    assert body.count("tl::cluster_sync()") == 2 and sync1 < body.index("dsv41_cluster_sum4(") < body.rindex(
+        "tl::cluster_sync()")
     # with 4 stages of 48 KiB: the tile leaves in two 128-column halves through one 32 KiB buffer
     src = sources["specialized_registers"]
     assert "/ 132)" in src and "buf_dyn_shmem + 196608)" in src and "(t_1 + 3) & 3" in src

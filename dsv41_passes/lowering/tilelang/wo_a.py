@@ -67,6 +67,10 @@ CANDIDATES: dict[str, list[dict]] = {
     ]
     + [dict(_DECODE, SPLIT=s) for s in (2, 4, 8)]  # split-K (decode sizes)
     + [dict(_DECODE, BN=64, SPLIT=s) for s in (1, 2, 4)]  # the same with 64-column tiles (``decode_config``)
+    # split-K whose parts the tile's thread block cluster sums through distributed shared memory (no partials in
+    # global memory, no sum kernel; the same bits as the same split); clusters of 4 fit fewer at a time
+    # (run138-probe_wo_a_decode-cluster.log: 64-column tiles in 4 parts 16.9 us against 11.1 at M = 128)
+    + [dict(_DECODE, BN=64, SPLIT=2, cluster=True), dict(_DECODE, SPLIT=4, cluster=True)]
     # the tile leaves through shared memory (TMA store); 128 x 128 x 3 stages with or without it measured
     # 2.39-2.51 ms at 65536 against 1.73 for this one (run26-quick_check-wo_a.log) and were dropped
     + [dict(BM=128, BN=256, BK=64, stages=3, threads=256, one_loop=True, cs_regs=True, epi_smem=True)]
@@ -249,7 +253,7 @@ def build(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN: int, BK:
 
 def build_one_loop(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN: int, BK: int, stages: int,
                    threads: int, rope_regs: bool = False, cs_regs: bool = False, epi_smem: bool = False,
-                   split: int = 1):
+                   split: int = 1, cluster: bool = False):
     """Variant (config ``one_loop=True``): one warp-specialized K loop over every chunk; the warpgroups
     split the tile by rows (wgmma ``m64 x BN``). A head's rope chunk is de-rotated in place in its
     pipeline stage before its gemm, or with ``rope_regs`` into a register fragment that feeds the
@@ -272,7 +276,11 @@ def build_one_loop(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN:
     cs_cols = max(RD, 2)
     half = max(RD // 2, 1)
     hps = hpg // split  # heads of the group one CTA reduces over
-    z_shape, z_dtype = ((split, M, N), f32) if split > 1 else ((M, N), bf16)
+    if cluster and not (1 < split <= 8 and BM % split == 0 and BN % 4 == 0):
+        raise ValueError(f"wo_a (tilelang): a cluster reduction needs 2 to 8 parts dividing BM, got {split}")
+    z_shape, z_dtype = ((split, M, N), f32) if split > 1 and not cluster else ((M, N), bf16)
+    rows = BM // split  # rows of the tile each CTA of a cluster sums
+    launch = dict(cluster_dims=(1, 1, split), prelude=CLUSTER_SUM_SOURCE) if cluster else {}
 
     @T.prim_func
     def wo_a_one_loop_kernel(
@@ -281,10 +289,12 @@ def build_one_loop(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN:
         CS: T.Tensor((M, cs_cols), f32),
         Z: T.Tensor(z_shape, z_dtype),
     ):
-        with T.Kernel(T.ceildiv(N, BN), T.ceildiv(M, BM), split, threads=threads) as (bx, by, bz):
+        with T.Kernel(T.ceildiv(N, BN), T.ceildiv(M, BM), split, threads=threads, **launch) as (bx, by, bz):
             a_s = T.alloc_shared((BM, BK), bf16)
             b_s = T.alloc_shared((BN, BK), bf16)
             acc = T.alloc_fragment((BM, BN), f32)
+            if cluster:
+                p_s = T.alloc_shared((BM, BN), f32)  # this CTA's partial, read by the cluster
             if rope_regs:
                 a_r = T.alloc_fragment((BM, BK), bf16)
             if not rope_regs:
@@ -339,7 +349,15 @@ def build_one_loop(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN:
                         T.gemm(a_s, b_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 else:
                     T.gemm(a_s, b_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-            if split > 1:
+            if cluster:
+                T.copy(acc, p_s)
+                T.cluster_sync()  # every partial is in its CTA's shared memory
+                for i, j in T.Parallel(rows, BN // 4):  # rank bz of the cluster (its split index) sums rows bz * rows..
+                    T.call_extern("handle", "dsv41_cluster_sum4", T.address_of(p_s[bz * rows + i, j * 4]), split,
+                                  T.address_of(Z[by * BM + bz * rows + i, bx * BN + j * 4]),
+                                  by * BM + bz * rows + i < M)
+                T.cluster_sync()  # no CTA leaves while another reads its partial
+            elif split > 1:
                 T.copy(acc, Z[bz, by * BM, bx * BN])
             elif epi_smem:
                 z_s = T.alloc_shared((BM, BN), bf16)
@@ -350,6 +368,34 @@ def build_one_loop(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN:
 
     return wo_a_one_loop_kernel
 
+
+# ``cluster``: four fp32 of a row, summed over the cluster's CTAs in rank order (the same offset in each CTA's
+# shared memory, read through distributed shared memory), rounded to bf16 and stored when the row is live
+CLUSTER_SUM_SOURCE = r"""
+#include <cuda_bf16.h>
+__device__ __forceinline__ void dsv41_cluster_sum4(void* src, int parts, void* dst, bool live) {
+  const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(src));
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int q = 0; q < parts; ++q) {
+    unsigned remote;
+    float4 v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(q));
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote) : "memory");
+    if (q == 0) {
+      acc = v;
+    } else {
+      acc.x = __fadd_rn(acc.x, v.x); acc.y = __fadd_rn(acc.y, v.y);
+      acc.z = __fadd_rn(acc.z, v.z); acc.w = __fadd_rn(acc.w, v.w);
+    }
+  }
+  if (live) {
+    __nv_bfloat162 out[2] = {__float22bfloat162_rn(make_float2(acc.x, acc.y)),
+                             __float22bfloat162_rn(make_float2(acc.z, acc.w))};
+    *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(out);
+  }
+}
+"""
 
 _CACHE: dict[tuple, Any] = {}
 _LOCK = threading.Lock()
@@ -488,6 +534,8 @@ def wo_a(
         if not cfg.get("one_loop") or cfg.get("specialized"):
             raise ValueError("wo_a (tilelang): split-K needs a one_loop config (not a specialized one)")
         cfg["SPLIT"] = split
+    else:
+        cfg.pop("cluster", None)  # one part: nothing to reduce
     kernel = compile_kernel(g, r, h // g, d, rd, cfg)
     if derotates_beforehand(cfg, rd):  # its rope chunks come in de-rotated
         from ..triton.wo_a import rope_tails  # noqa: PLC0415  (one pass over the rope chunks of o)
@@ -499,7 +547,7 @@ def wo_a(
         cs = torch.empty((m, 1), dtype=o.dtype, device=o.device)  # unread
     else:
         cs = torch.empty((m, 2), dtype=torch.float32, device=o.device)  # unread
-    if split == 1:
+    if split == 1 or cfg.get("cluster"):  # (a cluster sums its parts itself)
         kernel(o.view(m, h * d), weight, cs, z)
         return z
     from ..triton.wo_a import sum_splits  # noqa: PLC0415  (the fixed-order sum of the parts)
