@@ -180,6 +180,10 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         """Index of row r of kernel row block rb, slice s2, in the 64-row partial layout."""
         return ((rb * wgs + r // BM) * S + s2) * BM + r % BM
 
+    def normed(w, xv, rstd):
+        """bf16(w * (x * rstd)) of one un-normalized bf16 value (the norm's rounding, wherever it runs)."""
+        return T.cast(T.ieee_mul(w, T.ieee_mul(T.cast(xv, f32), rstd)), bf16)
+
     @T.macro
     def row_rstd(xss, rbn, r, pv, red):
         """red[1] <- rsqrt factor of row r of row block rbn, once its 16 slice partials are published
@@ -218,7 +222,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
             for e in T.vectorized(8):
                 wv[u * 8 + e] = w_s[lcol + run_col(hf, u) + e]
         for v in T.unroll(vals):
-            xn[v] = T.cast(T.ieee_mul(wv[v], T.ieee_mul(T.cast(xn[v], f32), red[1])), bf16)
+            xn[v] = normed(wv[v], xn[v], red[1])
         store_x(x, row, col2, hf, xn, "first")
 
     @T.macro
@@ -305,9 +309,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                     for c2 in T.unroll(nc):
                         for e in T.vectorized(8):
                             wr[e] = nw[s * ds + c2 * bk + q * 8 + e]
-                        for e in T.unroll(8):  # norm_chunk's arithmetic
-                            xr[c2 * 8 + e] = T.cast(T.ieee_mul(wr[e], T.ieee_mul(T.cast(xr[c2 * 8 + e], f32), red[1])),
-                                                    bf16)
+                        for e in T.unroll(8):
+                            xr[c2 * 8 + e] = normed(wr[e], xr[c2 * 8 + e], red[1])
                         for e in T.vectorized(8):
                             x[row, s * ds + c2 * bk + q * 8 + e] = xr[c2 * 8 + e]
             T.mbarrier_arrive(xfree[jj % nring])

@@ -277,7 +277,8 @@ def build_one_loop(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN:
     half = max(RD // 2, 1)
     hps = hpg // split  # heads of the group one CTA reduces over
     if cluster and not (1 < split <= 8 and BM % split == 0 and BN % 4 == 0):
-        raise ValueError(f"wo_a (tilelang): a cluster reduction needs 2 to 8 parts dividing BM, got {split}")
+        raise ValueError(f"wo_a (tilelang): a cluster reduction needs 2 to 8 parts dividing BM and BN a multiple of 4, "
+                         f"got {split} parts, BM {BM}, BN {BN}")
     z_shape, z_dtype = ((split, M, N), f32) if split > 1 and not cluster else ((M, N), bf16)
     rows = BM // split  # rows of the tile each CTA of a cluster sums
     launch = dict(cluster_dims=(1, 1, split), prelude=CLUSTER_SUM_SOURCE) if cluster else {}
