@@ -5,7 +5,8 @@
 For each M above 1024: the TileLang default and each specialized config, with the rope chunks de-rotated beforehand
 by ``triton.wo_a.rope_tails`` (timed inside the call), by the consumer warpgroups in the stage, or into the A
 registers of a register-A wgmma, persistent or not;
-then the same without RoPE, ``rope_tails`` alone and cuBLAS bmm on a pre-transposed input. At M <= 1024:
+then the same without RoPE, ``rope_tails`` alone and cuBLAS bmm on a pre-transposed input (``--stream-k``: the
+default with and without stream-K only). At M <= 1024:
 the default and the one-loop 128-row kernel with 128 or 64 columns, split over K in 1, 2, 4 or 8 parts. A row gives
 the bits against the default (the same bits are expected: the same K order, wgmma shape and rounding),
 the error against the reference and the CUDA-graph time, median and minimum over ``rounds`` rounds that
@@ -59,7 +60,7 @@ def _name(c: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in c.items() if _BASE.get(k) != v) or "tails"
 
 
-def probe(m: int, tp: int, rounds: int) -> list[tuple]:
+def probe(m: int, tp: int, rounds: int, stream_k: bool = False) -> list[tuple]:
     from dsv41_passes.lowering.tilelang import wo_a as tw
     from dsv41_passes.lowering.triton.wo_a import rope_tails
 
@@ -70,7 +71,11 @@ def probe(m: int, tp: int, rounds: int) -> list[tuple]:
     base = {rd: tw.wo_a(o, w, cos, sin, rd, batch_invariant=False, config=default),
             0: tw.wo_a(o, w, None, None, 0, batch_invariant=False, config=default)}
     variants = [("default", default, rd)]
-    if m > 1024:
+    if stream_k:  # the default without stream-K, and with any partial wave shared out (cut tiles' bits differ)
+        if default.get("specialized"):
+            variants += [("default, no stream_k", dict(default, stream_k=0), rd),
+                         ("default, stream_k any wave", dict(default, stream_k=True), rd)]
+    elif m > 1024:
         variants += [("specialized " + _name(c), c, rd) for c in SPECIALIZED]
         variants += [("no rope, default", default, 0)]
         variants += [("no rope, specialized " + _name(c), c, 0) for c in NO_ROPE]
@@ -114,6 +119,7 @@ def main() -> None:
     ap.add_argument("--m", type=int, nargs="+", default=[65536, 16384, 4096])
     ap.add_argument("--tp", type=int, nargs="+", default=[4])
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--stream-k", action="store_true", help="the defaults with and without stream-K only")
     args = ap.parse_args()
     import dsv41_passes  # noqa: F401  (registers the ops)
 
@@ -121,7 +127,7 @@ def main() -> None:
     rows = []
     for tp in args.tp:
         for m in args.m:
-            rows += probe(m, tp, args.rounds)
+            rows += probe(m, tp, args.rounds, args.stream_k)
             torch.cuda.empty_cache()
     print("\n| TP | M | variant | bits | vs reference | ms (median) | ms (min) | rate (median) |\n"
           "|---|---|---|---|---|---|---|---|")

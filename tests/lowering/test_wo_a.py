@@ -236,8 +236,13 @@ def test_tilelang_launch_config():
     from dsv41_passes.lowering.tilelang import wo_a as tw
 
     assert tw.default_config(2047) == tw.BATCH_INVARIANT_CONFIG
-    assert tw.default_config(2048) == tw.default_config(32768) == tw.SPECIALIZED_REGISTERS_CONFIG
-    assert tw.default_config(32769) == tw.SPECIALIZED_CONFIG
+    sk = dict(stream_k=tw.STREAM_K_SHARE)  # a partial wave of at most a quarter of the CTAs shared out
+    with pytest.raises(ValueError, match="stream_k needs a persistent specialized config"):
+        tw.launch_config(dict(tw.BATCH_INVARIANT_CONFIG, **sk), 16, 512, 1024, 64)
+    with pytest.raises(ValueError, match="stream_k needs a persistent specialized config"):
+        tw.launch_config(dict(tw.SPECIALIZED_CONFIG, persistent=False, **sk), 16, 512, 1024, 64)
+    assert tw.default_config(2048) == tw.default_config(32768) == dict(tw.SPECIALIZED_REGISTERS_CONFIG, **sk)
+    assert tw.default_config(32769) == dict(tw.SPECIALIZED_CONFIG, **sk)
     assert tw.launch_config(tw.SPECIALIZED_CONFIG, 16, 512, 1024, 64) == dict(tw.SPECIALIZED_CONFIG, BN=256, BK=64)
     assert tw.launch_config(tw.SPECIALIZED_CONFIG, 16, 512, 1024, 0) == dict(tw.SPECIALIZED_CONFIG, BN=256, BK=64)
     assert tw.launch_config(tw.SPECIALIZED_CONFIG, 12, 512, 96, 64) == dict(tw.BATCH_INVARIANT_CONFIG, BN=32, BK=64)
@@ -272,6 +277,39 @@ def test_tilelang_decode_split_fills_one_wave():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="tilelang is not installed")
+@pytest.mark.parametrize("share", [1.0, 0.5])
+@pytest.mark.parametrize("tiles", [1, 100, 128, 131, 132, 133, 165, 166, 200, 256, 264, 1000, 1024, 4096])
+def test_stream_k_schedule_covers_each_chunk_once(tiles, share):
+    """The stream_k schedule (the kernel's integer math, in Python): every chunk of every tile once; a cut tile's
+    head is the last item of a CTA and its other parts the first shared-out items of the next CTAs, at most
+    ``stream_k_partners`` of them; the chunk counts differ by at most one when a partial wave is shared out."""
+    from dsv41_passes.lowering.tilelang.wo_a_specialized import stream_k_partners, stream_k_schedule
+
+    ctas, total = 132, 64
+    sched = stream_k_schedule(tiles, ctas, total, share)
+    seen: dict[int, list[tuple[int, int, int]]] = {}
+    for b, items in enumerate(sched):
+        for i, (tile, lo, hi) in enumerate(items):
+            assert 0 <= lo < hi <= total
+            seen.setdefault(tile, []).append((lo, hi, b))
+            whole = tiles // ctas - (1 if 4 * (tiles % ctas) <= ctas else 0)  # round-robin waves (wide / narrow)
+            if lo > 0:  # a CTA's first item after its whole tiles
+                assert i == whole, (b, items)
+            if hi < total:  # the last item
+                assert i == len(items) - 1, (b, items)
+    assert sorted(seen) == list(range(tiles))
+    for tile, parts in seen.items():
+        parts.sort()
+        assert parts[0][0] == 0 and parts[-1][1] == total and len(parts) <= 1 + stream_k_partners(total), (tile, parts)
+        for (_, h, b0), (lo, _, b1) in zip(parts, parts[1:]):
+            assert h == lo and b1 == b0 + 1, (tile, parts)
+    work = [sum(hi - lo for _, lo, hi in items) for items in sched]
+    if tiles > ctas and 0 < tiles % ctas <= share * ctas:
+        assert max(work) - min(work) <= 1, work
+    else:  # whole tiles, round-robin
+        assert all(lo == 0 and hi == total for items in sched for _, lo, hi in items)
+
+
 def test_tilelang_specialized_checks_its_register_split():
     """setmaxnreg moves registers between warpgroups within what the launch holds; a split past it would
     make the consumers' ``setmaxnreg.inc`` wait forever (a hang, run 99), so the builder refuses it."""
@@ -399,14 +437,16 @@ out["one_loop"] = tw.compile_kernel(g, r, hpg, d, rd, big).get_kernel_source()  
 bn, bk = tw._tiles(tw.default_config(2047), d, r, rd)
 out["prefill_default"] = tw.compile_kernel(g, r, hpg, d, rd, dict(tw.default_config(2047), BN=bn, BK=bk)
                                            ).get_kernel_source()  # nvcc, sm_90a
-for rope in (rd, 0):  # the default above M = 32768, with and without the inverse RoPE
-    bn, bk = tw._tiles(tw.default_config(65536), d, r, rope)
-    out[f"specialized_rd{rope}"] = tw.compile_kernel(g, r, hpg, d, rope, dict(tw.default_config(65536), BN=bn, BK=bk)
+for rope in (rd, 0):  # the default above M = 32768 (without stream-K), with and without the inverse RoPE
+    bn, bk = tw._tiles(tw.SPECIALIZED_CONFIG, d, r, rope)
+    out[f"specialized_rd{rope}"] = tw.compile_kernel(g, r, hpg, d, rope, dict(tw.SPECIALIZED_CONFIG, BN=bn, BK=bk)
                                                      ).get_kernel_source()  # nvcc, sm_90a
 cons = tw.launch_config(tw.SPECIALIZED_CONSUMERS_CONFIG, hpg * g, d, r, rd)  # a tuner candidate
 out["specialized_consumers"] = tw.compile_kernel(g, r, hpg, d, rd, cons).get_kernel_source()  # nvcc, sm_90a
-regs = tw.launch_config(tw.default_config(16384), hpg * g, d, r, rd)  # the default from M = 2048 to 32768
+regs = tw.launch_config(tw.SPECIALIZED_REGISTERS_CONFIG, hpg * g, d, r, rd)  # the default, 2048 to 32768 (no stream-K)
 out["specialized_registers"] = tw.compile_kernel(g, r, hpg, d, rd, regs).get_kernel_source()  # nvcc, sm_90a
+out["specialized_stream_k"] = tw.compile_kernel(g, r, hpg, d, rd, tw.launch_config(tw.default_config(16384), hpg * g,
+                                                                                   d, r, rd)).get_kernel_source()
 out["specialized_registers_rd24"] = tw.lower_source(g, r, hpg, d, 24, tw.launch_config(regs, hpg * g, d, r, 24))
 out["specialized_one_pass"] = tw.lower_source(g, r, hpg, d, rd, dict(cons, persistent=False))
 regs = max((c for c in one_loop if c.get("rope_regs")), key=lambda c: (c["BM"] * c["BN"], c["stages"]))
@@ -505,6 +545,20 @@ def test_tilelang_compiles_for_sm90a(tmp_path):
     sync1 = body.index("tl::cluster_sync()")
     assert body.count("tl::cluster_sync()") == 2 and sync1 < body.index("dsv41_cluster_sum4(") < body.rindex(
         "tl::cluster_sync()")
+    # stream_k: a cut tile's tail partial is stored to WS[block], each thread fences, the consumers meet, then one
+    # thread publishes the flag (release); the head's CTA takes the next CTAs' flags (acquire), the consumers meet,
+    # then add their WS in CTA order; only an item that starts at chunk 0 stores z
+    src = sources["specialized_stream_k"]
+    assert "st.release.gpu.global.b32" in src and "ld.acquire.gpu.global.b32" in src
+    assert "% 132)) < 33)" in src  # the default shares out a partial wave of at most 33 of 132 tiles
+    body = src[src.index("__launch_bounds__"):]
+    tail = body[body.index("if (0 < lo"):body.index("dsv41_flag_set(")]
+    assert tail.index("*(float2*)(WS + ") < tail.index("dsv41_fence();") < tail.index("__sync_thread_partial(1, 256)")
+    head = body[body.index("dsv41_flag_take("):]
+    assert head.index("__sync_thread_partial(1, 256)") < head.index("*(float2*)(WS + ") < head.index("tma_store(Z_desc")
+    # the parts of up to 4 next CTAs (a narrow phase gives each at least a quarter of the tile's 64 chunks)
+    assert "for (int q = 0; q < 4; ++q)" in body and "FL[((((int)blockIdx.x) + q) + 1)]" in body
+    assert "dsv41_flag" not in sources["specialized_registers"]
     # with 4 stages of 48 KiB: the tile leaves in two 128-column halves through one 32 KiB buffer
     src = sources["specialized_registers"]
     assert "/ 132)" in src and "buf_dyn_shmem + 196608)" in src and "(t_1 + 3) & 3" in src
@@ -543,17 +597,17 @@ def test_gpu_numerics(provider, tp):
             assert normwise_error(out, float64_oracle(o, w, c, s, rd, g)) <= 4e-3, (m, c is not None)
 
 
-def _tilelang_candidates(tp, seed, pick):
-    """``(cfg, o, w, cos, sin)`` for every TileLang tuner candidate ``pick`` accepts, every GPU_M, with and
+def _tilelang_candidates(tp, seed, pick, ms=GPU_M):
+    """``(cfg, o, w, cos, sin)`` for every TileLang tuner candidate ``pick`` accepts, every M of ``ms``, with and
     without the inverse RoPE (cos = sin = None)."""
     if tilelang_available(torch.empty(0, device="cuda")):
         pytest.skip(tilelang_available(torch.empty(0, device="cuda")))
     from dsv41_passes.lowering.tilelang import wo_a as tw
 
     h, d, g, r, rd = TP_SHAPES[tp]
-    o_all, w, _, cos_all, sin_all = make(max(GPU_M), h, d, g, r, rd, seed=seed, device="cuda")
+    o_all, w, _, cos_all, sin_all = make(max(ms), h, d, g, r, rd, seed=seed, device="cuda")
     for cfg in [c for c in tw.CANDIDATES[tw.TACTIC_OP] if pick(c)]:
-        for m in GPU_M:
+        for m in ms:
             for c, s in ((cos_all[:m], sin_all[:m]), (None, None)):
                 yield cfg, o_all[:m], w, c, s
 
@@ -579,11 +633,48 @@ def test_gpu_tilelang_specialized_gives_the_one_loop_bits(tp):
     from dsv41_passes.lowering.tilelang import wo_a as tw
 
     _, _, g, _, rd = TP_SHAPES[tp]
-    for cfg, o, w, c, s in _tilelang_candidates(tp, 7, lambda c: c.get("specialized")):
+    for cfg, o, w, c, s in _tilelang_candidates(tp, 7, lambda c: c.get("specialized") and not c.get("stream_k")):
         out = tw.wo_a(o, w, c, s, rd, batch_invariant=False, config=cfg)
         base = tw.wo_a(o, w, c, s, rd, batch_invariant=False, config=tw.BATCH_INVARIANT_CONFIG)
         assert torch.equal(out.view(torch.int16), base.view(torch.int16)), (cfg, o.shape[0], c is not None)
     assert normwise_error(out, float64_oracle(o, w, None, None, rd, g)) <= 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", sorted(TP_SHAPES))
+def test_gpu_tilelang_stream_k_cuts_only_its_schedule_tiles(tp):
+    """stream_k: the tiles its schedule leaves whole have the one-loop kernel's bits; the cut ones (head + the next
+    CTAs' partials, summed once) are within bf16 GEMM tolerance; batch-invariant mode runs the uncut kernel. Besides
+    GPU_M (narrow phases at 4096 and at TP1 1000-4096), one M with a wide phase a geometry (a partial wave of 12 and
+    of 28 tiles)."""
+    from dsv41_passes.lowering.tilelang import wo_a as tw
+    from dsv41_passes.lowering.tilelang.wo_a_specialized import stream_k_schedule
+
+    _, d, g, r, rd = TP_SHAPES[tp]
+    cut_somewhere = False
+    wide = {"tp4": 2304, "tp1": 640}[tp]
+    for cfg, o, w, c, s in _tilelang_candidates(tp, 9, lambda c: c.get("stream_k"), GPU_M + (wide,)):
+        m = o.shape[0]
+        out = tw.wo_a(o, w, c, s, rd, batch_invariant=False, config=cfg)
+        base = tw.wo_a(o, w, c, s, rd, batch_invariant=False, config=tw.BATCH_INVARIANT_CONFIG)
+        bm, bn = cfg["BM"], cfg["BN"]
+        col_tiles = g * r // bn
+        sched = stream_k_schedule(col_tiles * -(-m // bm), tw.sm_count(), (o.shape[1] // g) * d // cfg["BK"],
+                                  cfg["stream_k"])
+        cut = {tile for items in sched for tile, lo, hi in items if hi - lo < (o.shape[1] // g) * d // cfg["BK"]}
+        same = torch.ones_like(out, dtype=torch.bool)
+        for tile in cut:
+            by, bx = divmod(tile, col_tiles)
+            same[by * bm:(by + 1) * bm, bx * bn:(bx + 1) * bn] = False
+        cut_somewhere |= bool(cut)
+        assert torch.equal(out.view(torch.int16)[same], base.view(torch.int16)[same]), (cfg, m, c is not None)
+        assert_bf16_gemm_close(out, base)
+        assert normwise_error(out, float64_oracle(o, w, c, s, rd, g)) <= 4e-3, (cfg, m, c is not None)
+        again = tw.wo_a(o, w, c, s, rd, batch_invariant=False, config=cfg)  # the flags were all taken
+        assert torch.equal(again.view(torch.int16), out.view(torch.int16)), (cfg, m)
+        inv = tw.wo_a(o, w, c, s, rd, batch_invariant=True, config=cfg)
+        assert torch.equal(inv.view(torch.int16), base.view(torch.int16)), (cfg, m)
+    assert cut_somewhere
 
 
 @pytest.mark.gpu

@@ -115,12 +115,27 @@ SPECIALIZED_CONSUMERS_CONFIG = dict(SPECIALIZED_CONFIG, rope="consumers")
 # With 3 stages (run119) 0.4289 vs 0.4355 at 16384: the rope chunk takes longer to consume, and the 4th stage
 # keeps the loads ahead of it.
 SPECIALIZED_REGISTERS_CONFIG = dict(SPECIALIZED_CONFIG, rope="registers", stages=4, z_cols=128)
+# From M = 2048 (outside batch-invariant mode) both run with ``stream_k``: where the tiles leave a partial wave of at
+# most a quarter of the CTAs, the last full wave and that one are shared out by K chunks (a cut tile's bits depend on
+# M). Medians of 8 interleaved rounds, ms, against the same kernel without it (run143-probe_wo_a_stream_k-tp4.log,
+# TP4; the partial wave in tiles of 132): 1.592 vs 1.644 at 65536 (4), 0.4070 vs 0.4157 at 17408 (32), 0.1119 vs
+# 0.1435 at 4352 (8), 0.0670 vs 0.0929 at 2304 (12); at TP1 1.638 vs 1.683 at 16384 (4). Sharing out the last full
+# wave with larger partial waves was slower (a CTA takes two tiles of a row block in turn and their o is read from
+# HBM again): 1.184 vs 1.179 at 49152 (36), 0.990 vs 0.975 at 40960 (52), 0.4312 vs 0.4126 at 18432 (96), at TP1
+# 0.4635 vs 0.3967 at 4096 (100). The partial wave alone (the narrow phase, run146-probe_wo_a_stream_k-tp4.log,
+# medians of 6 rounds): 1.237 vs 1.251 at 49152, 1.029 vs 1.034 at 40960, 0.2385 vs 0.2526 at 9216 (48), but 1.014
+# vs 1.002 at 34816 (64), 0.4037 vs 0.3991 at 16384 (100), 0.1228 vs 0.1039 at 4096 (124), at TP1 0.4476 vs 0.4169
+# at 4096 and 0.2592 vs 0.2169 at 2048 (116): the fix-up of tiles cut in up to five parts costs what a mostly full
+# partial wave gains. So the default shares out partial waves of up to a quarter of the CTAs only.
+STREAM_K_SHARE = 0.25
+# Tuner candidates: any partial wave shared out
+CANDIDATES[TACTIC_OP] += [dict(SPECIALIZED_CONFIG, stream_k=True), dict(SPECIALIZED_REGISTERS_CONFIG, stream_k=True)]
 # Untuned defaults by token count (upper M, config), from benchmarks/results/run27-quick_check-wo_a-small.log
 # and run26 (H200): split-K with 128 x 128 tiles for decode sizes (11.8 / 15.9 / 22.5 us at M = 128 / 256 /
 # 512 where the 64 x 64 one-loop kernel took 27.4 / 28.1 / 55.3), 128 x 128 up to 1024 (31.4 vs 112 us),
 # 128 x 256 with the tile stored through shared memory up to 2047 (0.0997 vs 0.106 ms at 4096, 1.73 vs 1.80
-# at 65536), SPECIALIZED_REGISTERS_CONFIG up to 32768 and SPECIALIZED_CONFIG above. M <= 128 with the geometry
-# known: ``decode_config``. M <= 16 (outside batch-invariant mode) runs the Triton split-K kernel
+# at 65536), SPECIALIZED_REGISTERS_CONFIG up to 32768 and SPECIALIZED_CONFIG above (both with stream-K). M <= 128
+# with the geometry known: ``decode_config``. M <= 16 (outside batch-invariant mode) runs the Triton split-K kernel
 # (``triton.wo_a``).
 DEFAULTS: list[tuple[int, dict]] = [
     (128, dict(_DECODE, SPLIT=8)),
@@ -128,7 +143,7 @@ DEFAULTS: list[tuple[int, dict]] = [
     (512, dict(_DECODE, SPLIT=2)),
     (1024, _DECODE),
     (2047, BATCH_INVARIANT_CONFIG),
-    (32768, SPECIALIZED_REGISTERS_CONFIG),
+    (32768, dict(SPECIALIZED_REGISTERS_CONFIG, stream_k=STREAM_K_SHARE)),
 ]
 DECODE_MAX_M = 128
 
@@ -153,7 +168,7 @@ def default_config(m: int, n: int | None = None, hpg: int | None = None) -> dict
     for upper, cfg in DEFAULTS:
         if m <= upper:
             return dict(cfg)
-    return dict(SPECIALIZED_CONFIG)
+    return dict(SPECIALIZED_CONFIG, stream_k=STREAM_K_SHARE)
 
 
 def _pow2_divisor(x: int) -> int:
@@ -471,6 +486,27 @@ def _sms(device: int) -> int:  # asked at every call (the kernel cache's key): o
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``WS`` / ``FL`` of a specialized kernel: for ``stream_k`` the tail partials (fp32, one a CTA) and their
+    flags (zero between launches: each launch takes every flag it sets), one pair per device and stream, so
+    launches that may overlap never share one; otherwise one-element placeholders."""
+    from .wo_a_specialized import workspace_shapes  # noqa: PLC0415
+
+    sk = bool(cfg.get("stream_k"))
+    ctas = sm_count() if sk else 1
+    stream = torch.cuda.current_stream(device).stream_id if sk else 0
+    key = (str(device), stream, ctas, cfg["BM"], cfg["BN"], sk)
+    hit = _WORKSPACES.get(key)
+    if hit is None:
+        ws, fl = workspace_shapes(ctas, cfg["BM"], cfg["BN"], sk)
+        hit = _WORKSPACES[key] = (torch.empty(ws, dtype=torch.float32, device=device),
+                                  torch.zeros(fl, dtype=torch.int32, device=device))
+    return hit
+
+
 def derotates_beforehand(cfg: dict, rope_dim: int) -> bool:
     """Whether the kernel of ``cfg`` reads its rope chunks de-rotated by ``rope_tails`` (not the table)."""
     return bool(rope_dim and cfg.get("specialized") and cfg.get("rope", "tails") == "tails")
@@ -483,6 +519,8 @@ def launch_config(config: dict, h: int, d: int, r: int, rope_dim: int) -> dict:
     from ..triton.wo_a import rope_tails_tile  # noqa: PLC0415
     from .wo_a_specialized import rope_reason  # noqa: PLC0415
 
+    if config.get("stream_k") and not (config.get("specialized") and config.get("persistent")):
+        raise ValueError(f"wo_a (tilelang): stream_k needs a persistent specialized config, got {config}")
     bn, bk = _tiles(config, d, r, rope_dim)
     if config.get("specialized") and rope_dim and rope_reason(config.get("rope", "tails"), rope_dim):
         config = dict(config, rope="tails")
@@ -537,6 +575,8 @@ def wo_a(
         cfg["SPLIT"] = split
     else:
         cfg.pop("cluster", None)  # one part: nothing to reduce
+    if batch_invariant:
+        cfg.pop("stream_k", None)  # a cut tile's bits depend on M
     kernel = compile_kernel(g, r, h // g, d, rd, cfg)
     if derotates_beforehand(cfg, rd):  # its rope chunks come in de-rotated
         from ..triton.wo_a import rope_tails  # noqa: PLC0415  (one pass over the rope chunks of o)
@@ -548,6 +588,9 @@ def wo_a(
         cs = torch.empty((m, 1), dtype=o.dtype, device=o.device)  # unread
     else:
         cs = torch.empty((m, 2), dtype=torch.float32, device=o.device)  # unread
+    if cfg.get("specialized"):
+        kernel(o.view(m, h * d), weight, cs, z, *_workspace(o.device, cfg))
+        return z
     if split == 1 or cfg.get("cluster"):  # (a cluster sums its parts itself)
         kernel(o.view(m, h * d), weight, cs, z)
         return z

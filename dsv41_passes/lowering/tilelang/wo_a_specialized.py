@@ -31,6 +31,20 @@ buffer is 32 KiB and a 4th 48 KiB stage fits (224 KiB in all).
 ``ctas`` > 0: a persistent kernel of ``ctas`` CTAs that walk the tiles (column tiles fastest); the
 producer runs ahead into the next tile while the consumers store the last one.
 
+``stream_k`` (persistent only): when the tiles do not fill a whole number of waves and the partial wave holds at
+most ``stream_k`` x ``ctas`` tiles (``True``: any), its tiles are shared out by K chunks (stream-K), and with a
+partial wave of at most a quarter of the CTAs the last full wave's too ("wide"; a narrow phase keeps each CTA's
+share at a quarter of a tile or more): CTA ``b`` takes chunks ``[b L / ctas, (b + 1) L / ctas)`` of those tiles'
+``L`` chunks in (tile, chunk) order, so every CTA does the same work, give or take a chunk. A tile cut at CTA
+boundaries has a head (the last item of CTA ``b``) and parts from CTAs ``b + 1, ...`` (each such part that CTA's
+first item): those leave their fp32 partials in ``WS[cta]`` with a release flag ``FL[cta]``, and CTA ``b`` adds
+them to the head in CTA order (one fixed order) and stores the tile. The wide phase alone (run143) was slower
+than whole tiles with partial waves of 36 or more of 132 tiles: a CTA then takes about two tiles of a row block in
+turn, and their o is read from HBM again; the narrow phase holds only the partial wave's tiles (no faster than
+whole tiles either with mostly full partial waves, run146: see ``wo_a.STREAM_K_SHARE``). A cut tile's bits differ
+from the uncut sum's and depend on M, so batch-invariant mode never runs it. The CTAs wait on each other, so all of
+them must be resident (one an SM).
+
 The bf16 tile leaves through shared memory (TMA store). M is ``T.dynamic``.
 De-rotating in the producer warpgroup was tried twice and dropped: three warps reading cos/sin from L2 a
 pair at a time took 2.3-2.5 times the kernel's time (run 91); two warps in 16-byte pieces, the rope chunk
@@ -60,9 +74,65 @@ def rope_reason(rope: str, rope_dim: int) -> str | None:
     return None
 
 
+# ``stream_k``: the flag of a cut tile's tail partial, published after the CTA's stores (each thread's fence, a
+# barrier, then one release store) and taken with an acquire load that spins, then cleared for the next launch
+FLAG_SOURCE = r"""
+__device__ __forceinline__ void dsv41_flag_set(int* flag) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" :: "l"(flag), "r"(1) : "memory");
+}
+__device__ __forceinline__ void dsv41_flag_take(int* flag) {
+  int v = 0;
+  do {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+  } while (v == 0);
+  asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" :: "l"(flag), "r"(0) : "memory");
+}
+__device__ __forceinline__ void dsv41_fence() { __threadfence(); }
+"""
+
+
+def workspace_shapes(cfg_ctas: int, BM: int, BN: int, stream_k: bool) -> tuple[tuple, tuple]:
+    """Shapes of the kernel's ``WS`` (fp32 tail partials, one a CTA) and ``FL`` (int32 flags, zero between
+    launches); placeholders of one element without ``stream_k``."""
+    return ((cfg_ctas, BM, BN), (cfg_ctas,)) if stream_k else ((1, 1, 1), (1,))
+
+
+def stream_k_percent(stream_k: float) -> int:
+    """The largest partial wave shared out, in percent of the CTAs (0: stream-K off)."""
+    share = 1.0 if stream_k is True else float(stream_k)
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"wo_a (tilelang, specialized): stream_k {stream_k!r} is not a share of the CTAs in [0, 1]")
+    return round(100 * share)
+
+
+def stream_k_partners(total: int) -> int:
+    """Most CTAs whose parts a cut tile's head adds: a narrow phase gives each CTA at least ``total // 4`` chunks."""
+    return max(1, -(-(total - 1) // max(total // 4, 1)))
+
+
+def stream_k_schedule(tiles: int, ctas: int, total: int, stream_k: float = True) -> list[list[tuple[int, int, int]]]:
+    """The kernel's schedule with ``stream_k``, in Python: per CTA, its items ``(tile, first chunk, end chunk)``
+    in order (whole tiles round-robin, then its range of the shared-out tiles' chunks)."""
+    full, rem = divmod(tiles, ctas)
+    use = full >= 1 and 0 < rem and 100 * rem <= stream_k_percent(stream_k) * ctas
+    base = full - 1 if 4 * rem <= ctas else full  # wide (the last full wave too) or narrow (the partial wave)
+    out = []
+    for b in range(ctas):
+        if not use:
+            out.append([(b + i * ctas, 0, total) for i in range(-(-(tiles - b) // ctas))])
+            continue
+        items = [(b + i * ctas, 0, total) for i in range(base)]
+        span = (tiles - base * ctas) * total
+        i0, i1 = b * span // ctas, (b + 1) * span // ctas
+        for ft in range(i0 // total, (i1 - 1) // total + 1):
+            items.append((base * ctas + ft, max(i0 - ft * total, 0), min(i1 - ft * total, total)))
+        out.append(items)
+    return out
+
+
 def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN: int, BK: int,
                       stages: int, threads: int = 0, wait0: bool = False, rope: str = "tails", ctas: int = 0,
-                      z_cols: int = 0):
+                      z_cols: int = 0, stream_k: float = 0):
     """The prim_func for one geometry and config (``threads`` is implied: one producer warpgroup and
     ``BM / 64`` consumers; a value passed must count the consumers or all of them)."""
     import tilelang.language as T
@@ -99,6 +169,41 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
         raise ValueError(f"wo_a (tilelang, specialized): z_cols {ZC} does not divide BN {BN}")
     z_parts = list(range(BN // ZC))  # a list: unrolled when traced
     persistent = ctas > 0
+    sk_pct = stream_k_percent(stream_k)
+    sk = sk_pct > 0
+    if sk and not persistent:
+        raise ValueError("wo_a (tilelang, specialized): stream_k needs a persistent kernel")
+    ws_shape, fl_shape = workspace_shapes(ctas, BM, BN, sk)
+    partners = stream_k_partners(total)
+
+    def var(expr):  # an int32 register: the expression is computed once, not at every use
+        return T.alloc_var(T.int32, init=expr)[0]
+
+    def phase(bid, tiles):
+        """A CTA's work: (items, whole tiles first, the waves of them, the shared-out chunks, its first and end
+        chunk of them). Without ``stream_k``, ``rounds`` whole tiles."""
+        if not sk:
+            return (T.ceildiv(tiles - bid, ctas) if persistent else 1), None, None, None, None, None
+        full = tiles // ctas
+        rem = tiles % ctas
+        use = T.And(full >= 1, T.And(rem > 0, 100 * rem <= sk_pct * ctas))  # a partial wave to share out
+        base = var(T.if_then_else(4 * rem <= ctas, full - 1, full))  # wide: the last full wave too
+        dp = var(T.if_then_else(use, base, T.ceildiv(tiles - bid, ctas)))
+        span = var((tiles - base * ctas) * total)  # the shared-out chunks
+        i0 = var(T.if_then_else(use, bid * span // ctas, 0))
+        i1 = var(T.if_then_else(use, (bid + 1) * span // ctas, 0))
+        return var(dp + T.if_then_else(use, (i1 - 1) // total - i0 // total + 1, 0)), dp, base, span, i0, i1
+
+    def work(bid, it, dp, base, i0, i1):
+        """(tile, first chunk, end chunk, stage-ring uses before chunk 0) of a CTA's item ``it``."""
+        if not sk:
+            return (bid + it * ctas if persistent else bid), 0, total, it * total
+        cut = it >= dp
+        ft = var(i0 // total + it - dp)  # the item's tile among the shared-out ones
+        return (var(T.if_then_else(cut, base * ctas + ft, bid + it * ctas)),
+                var(T.if_then_else(cut, T.max(i0 - ft * total, 0), 0)),
+                var(T.if_then_else(cut, T.min(i1 - ft * total, total), total)),
+                var(T.if_then_else(cut, (dp + ft) * total - i0, it * total)))
 
     @T.prim_func
     def wo_a_specialized_kernel(
@@ -106,8 +211,11 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
         W: T.Tensor((N, K), bf16),
         CS: T.Tensor(cs_shape, cs_dtype),  # de-rotated rope chunks, or the cos/sin table (unread without RoPE)
         Z: T.Tensor((M, N), bf16),
+        WS: T.Tensor(ws_shape, f32),  # stream_k: a cut tile's tail partial, by the CTA that computed it
+        FL: T.Tensor(fl_shape, T.int32),  # stream_k: its flag (1: WS[b] holds a partial not yet taken)
     ):
-        with T.Kernel(ctas if persistent else col_tiles * T.ceildiv(M, BM), threads=128 + consumers) as bid:
+        with T.Kernel(ctas if persistent else col_tiles * T.ceildiv(M, BM), threads=128 + consumers,
+                      prelude=FLAG_SOURCE if sk else None) as bid:
             a_s = T.alloc_shared((stages, BM, BK), bf16)
             b_s = T.alloc_shared((stages, BN, BK), bf16)
             z_s = T.alloc_shared((BM, ZC), bf16)
@@ -124,17 +232,18 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
             y_r = T.alloc_local((8,), bf16)
             tx = T.get_thread_binding()
             tiles = col_tiles * T.ceildiv(M, BM)
-            rounds = T.ceildiv(tiles - bid, ctas) if persistent else 1
+            rounds, dp, base, span, i0, i1 = phase(bid, tiles)
             if tx < 128:
                 T.set_max_nreg(PRODUCER_REGS, 0)
                 if tx < 32:
                     for it in T.serial(rounds):
-                        tile = bid + it * ctas if persistent else bid
+                        tile, lo, hi, ub = work(bid, it, dp, base, i0, i1)
                         bx = tile % col_tiles
                         by = tile // col_tiles
                         grp = bx * BN // r  # this tile's group
-                        for t in T.serial(total):
-                            u = it * total + t  # the stage ring's use count
+                        for jc in T.serial(hi - lo):
+                            t = lo + jc
+                            u = ub + t  # the stage ring's use count
                             st = u % stages
                             if u >= stages:  # use n of a stage waits for the release of use n - 1
                                 T.mbarrier_wait_parity(empty[st], ((u // stages) + 1) % 2)
@@ -155,7 +264,7 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
                 row = c // 2  # the row whose rope pairs [p0, p0 + ppt) this thread de-rotates
                 p0 = (c % 2) * ppt
                 for it in T.serial(rounds):
-                    tile = bid + it * ctas if persistent else bid
+                    tile, lo, hi, ub = work(bid, it, dp, base, i0, i1)
                     bx = tile % col_tiles
                     by = tile // col_tiles
                     if in_kernel:
@@ -171,8 +280,9 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
                                                        T.if_then_else(q >= 0, 0.0, 1.0))
                             s_f[i, k] = T.if_then_else(live, CS[by * BM + i, q - k % 2 + 1], 0.0) * (1 - 2 * (k % 2))
                     T.clear(acc)
-                    for t in T.serial(total):
-                        u = it * total + t
+                    for jc in T.serial(hi - lo):
+                        t = lo + jc
+                        u = ub + t
                         st = u % stages
                         T.mbarrier_wait_parity(loaded[st], (u // stages) % 2)
                         if in_kernel and t % chunks == chunks - 1:
@@ -208,21 +318,38 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
                             T.mbarrier_arrive(empty[st])
                         else:
                             T.wait_wgmma(1)  # the previous chunk's wgmma is done: its stage can be refilled
-                            if t > 0:
+                            if jc > 0:
                                 T.mbarrier_arrive(empty[(u + stages - 1) % stages])
                     T.wait_wgmma(0)
                     if not wait0 and persistent:  # the tile's last stage (a non-persistent CTA just exits)
-                        T.mbarrier_arrive(empty[(it * total + total - 1) % stages])
-                    for h in z_parts:
-                        if persistent or h > 0:
-                            T.sync_threads(1, consumers)  # the last TMA store has read z_s
-                        if ZC == BN:
-                            T.copy(acc, z_s)
-                        else:
-                            for i, j in T.Parallel(BM, ZC):
-                                z_s[i, j] = T.cast(acc[i, h * ZC + j], bf16)
-                        T.fence_proxy_async()  # the shared-memory writes, before the TMA store reads them
-                        T.sync_threads(1, consumers)
-                        T.copy(z_s, Z[by * BM, bx * BN + h * ZC])
+                        T.mbarrier_arrive(empty[(ub + hi - 1) % stages])
+                    if sk:
+                        if lo > 0:  # a cut tile's tail (this CTA's first item): its partial, for the CTA before
+                            for i, j in T.Parallel(BM, BN):
+                                WS[bid, i, j] = acc[i, j]
+                            T.call_extern("handle", "dsv41_fence")
+                            T.sync_threads(1, consumers)
+                            if c == 0:
+                                T.call_extern("handle", "dsv41_flag_set", T.address_of(FL[bid]))
+                        if lo == 0 and hi < total:  # a cut tile's head (the last item): add the next CTAs' parts
+                            for q in T.unroll(partners):
+                                if (bid + 1 + q) * span // ctas < i1 - hi + total:  # CTA bid + 1 + q starts in it
+                                    if c == 0:
+                                        T.call_extern("handle", "dsv41_flag_take", T.address_of(FL[bid + 1 + q]))
+                                    T.sync_threads(1, consumers)
+                                    for i, j in T.Parallel(BM, BN):
+                                        acc[i, j] = acc[i, j] + WS[bid + 1 + q, i, j]
+                    if lo == 0:  # the whole tile is in acc
+                        for h in z_parts:
+                            if persistent or h > 0:
+                                T.sync_threads(1, consumers)  # the last TMA store has read z_s
+                            if ZC == BN:
+                                T.copy(acc, z_s)
+                            else:
+                                for i, j in T.Parallel(BM, ZC):
+                                    z_s[i, j] = T.cast(acc[i, h * ZC + j], bf16)
+                            T.fence_proxy_async()  # the shared-memory writes, before the TMA store reads them
+                            T.sync_threads(1, consumers)
+                            T.copy(z_s, Z[by * BM, bx * BN + h * ZC])
 
     return wo_a_specialized_kernel
