@@ -492,7 +492,8 @@ _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 def _workspace(device: torch.device, cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """``WS`` / ``FL`` of a specialized kernel: for ``stream_k`` the tail partials (fp32, one a CTA) and their
     flags (zero between launches: each launch takes every flag it sets), one pair per device and stream, so
-    launches that may overlap never share one; otherwise one-element placeholders."""
+    launches that may overlap never share one (CUDA graphs captured on one stream share it: replay them one at a
+    time, as a serving loop does); otherwise one-element placeholders."""
     from .wo_a_specialized import workspace_shapes  # noqa: PLC0415
 
     sk = bool(cfg.get("stream_k"))

@@ -42,8 +42,10 @@ them to the head in CTA order (one fixed order) and stores the tile. The wide ph
 than whole tiles with partial waves of 36 or more of 132 tiles: a CTA then takes about two tiles of a row block in
 turn, and their o is read from HBM again; the narrow phase holds only the partial wave's tiles (no faster than
 whole tiles either with mostly full partial waves, run146: see ``wo_a.STREAM_K_SHARE``). A cut tile's bits differ
-from the uncut sum's and depend on M, so batch-invariant mode never runs it. The CTAs wait on each other, so all of
-them must be resident (one an SM).
+from the uncut sum's and depend on M, so batch-invariant mode never runs it. A CTA waits only at the end of its
+range, for flags that the next few CTAs (at most ``stream_k_partners``) publish at the start of theirs, before any
+wait of their own: with CTAs dispatched in order, the kernel goes on with as few as five of them resident at a time
+(SMs held by another kernel delay it, they cannot stall it).
 
 The bf16 tile leaves through shared memory (TMA store). M is ``T.dynamic``.
 De-rotating in the producer warpgroup was tried twice and dropped: three warps reading cos/sin from L2 a
