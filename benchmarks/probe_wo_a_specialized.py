@@ -40,6 +40,9 @@ SPECIALIZED = [
     dict(_BASE, rope="registers"),
     dict(_BASE, persistent=True, stages=4, z_cols=128),
     dict(_BASE, rope="registers", persistent=True, stages=4, z_cols=128),
+    # W multicast to a CTA pair (``wo_a.MULTICAST_CONFIGS``; written in the sixteenth session, not run yet)
+    dict(_BASE, rope="registers", persistent=True, stages=4, z_cols=128, multicast=True),
+    dict(_BASE, persistent=True, multicast=True),
 ]
 # the GEMM alone (no RoPE)
 NO_ROPE = [dict(_BASE, persistent=True), dict(_BASE, persistent=True, stages=4, z_cols=128)]

@@ -130,6 +130,12 @@ SPECIALIZED_REGISTERS_CONFIG = dict(SPECIALIZED_CONFIG, rope="registers", stages
 STREAM_K_SHARE = 0.25
 # Tuner candidates: any partial wave shared out
 CANDIDATES[TACTIC_OP] += [dict(SPECIALIZED_CONFIG, stream_k=True), dict(SPECIALIZED_REGISTERS_CONFIG, stream_k=True)]
+# Opt-in, not a tuner candidate: built for sm_90a but NOT YET RUN ON A GPU (written in the sixteenth session, whose
+# device time was spent). CTA pairs in a thread block cluster take the two row blocks of a column tile; rank 0 loads
+# each W chunk into both CTAs by TMA multicast, so the L2 serves 32 instead of 48 KiB a CTA a chunk (at M = 16384 the
+# kernel reads about 3.2 GB from L2 in 0.37 ms); the stages are released by both CTAs' consumers. Same K order and
+# wgmma, so the one-loop kernel's bits are expected (``test_gpu_tilelang_multicast_gives_the_one_loop_bits``).
+MULTICAST_CONFIGS = [dict(SPECIALIZED_REGISTERS_CONFIG, multicast=True), dict(SPECIALIZED_CONFIG, multicast=True)]
 # Untuned defaults by token count (upper M, config), from benchmarks/results/run27-quick_check-wo_a-small.log
 # and run26 (H200): split-K with 128 x 128 tiles for decode sizes (11.8 / 15.9 / 22.5 us at M = 128 / 256 /
 # 512 where the 64 x 64 one-loop kernel took 27.4 / 28.1 / 55.3), 128 x 128 up to 1024 (31.4 vs 112 us),

@@ -47,6 +47,11 @@ range, for flags that the next few CTAs (at most ``stream_k_partners``) publish 
 wait of their own: with CTAs dispatched in order, the kernel goes on with as few as five of them resident at a time
 (SMs held by another kernel delay it, they cannot stall it).
 
+``multicast`` (persistent, without ``stream_k``; opt-in, not yet run on a GPU): CTA pairs of a thread block cluster
+take the two row blocks of a column tile; rank 0 loads each W chunk into both CTAs by TMA multicast (each CTA
+expects its own bytes), and the ``empty`` barriers count the consumers of both CTAs, so neither CTA's stage is
+refilled before both have read it. Cluster barriers after the set-up and before the CTAs leave.
+
 The bf16 tile leaves through shared memory (TMA store). M is ``T.dynamic``.
 De-rotating in the producer warpgroup was tried twice and dropped: three warps reading cos/sin from L2 a
 pair at a time took 2.3-2.5 times the kernel's time (run 91); two warps in 16-byte pieces, the rope chunk
@@ -134,7 +139,7 @@ def stream_k_schedule(tiles: int, ctas: int, total: int, stream_k: float = True)
 
 def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN: int, BK: int,
                       stages: int, threads: int = 0, wait0: bool = False, rope: str = "tails", ctas: int = 0,
-                      z_cols: int = 0, stream_k: float = 0):
+                      z_cols: int = 0, stream_k: float = 0, multicast: bool = False):
     """The prim_func for one geometry and config (``threads`` is implied: one producer warpgroup and
     ``BM / 64`` consumers; a value passed must count the consumers or all of them)."""
     import tilelang.language as T
@@ -177,6 +182,19 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
         raise ValueError("wo_a (tilelang, specialized): stream_k needs a persistent kernel")
     ws_shape, fl_shape = workspace_shapes(ctas, BM, BN, sk)
     partners = stream_k_partners(total)
+    mc = bool(multicast)
+    if mc and (not persistent or sk or ctas % 2):
+        raise ValueError("wo_a (tilelang, specialized): multicast needs a persistent kernel of an even number of CTAs "
+                         "and no stream_k")
+    launch = dict(cluster_dims=(2, 1, 1)) if mc else {}
+
+    @T.macro
+    def release(empty, x):  # the consumers are done with stage x (with multicast, in both CTAs of the cluster)
+        if mc:
+            T.mbarrier_arrive(empty[x], 0)
+            T.mbarrier_arrive(empty[x], 1)
+        else:
+            T.mbarrier_arrive(empty[x])
 
     def var(expr):  # an int32 register: the expression is computed once, not at every use
         return T.alloc_var(T.int32, init=expr)[0]
@@ -184,6 +202,9 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
     def phase(bid, tiles):
         """A CTA's work: (items, whole tiles first, the waves of them, the shared-out chunks, its first and end
         chunk of them). Without ``stream_k``, ``rounds`` whole tiles."""
+        if mc:  # a cluster takes the pair of row blocks of a column tile
+            pairs = col_tiles * T.ceildiv(tiles // col_tiles, 2)
+            return T.ceildiv(pairs - bid // 2, ctas // 2), None, None, None, None, None
         if not sk:
             return (T.ceildiv(tiles - bid, ctas) if persistent else 1), None, None, None, None, None
         full = tiles // ctas
@@ -198,6 +219,9 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
 
     def work(bid, it, dp, base, i0, i1):
         """(tile, first chunk, end chunk, stage-ring uses before chunk 0) of a CTA's item ``it``."""
+        if mc:  # rank bid % 2 of the cluster takes row block 2 * (pair // col_tiles) + rank (past M: zeros, no store)
+            pair = bid // 2 + it * (ctas // 2)
+            return (2 * (pair // col_tiles) + bid % 2) * col_tiles + pair % col_tiles, 0, total, it * total
         if not sk:
             return (bid + it * ctas if persistent else bid), 0, total, it * total
         cut = it >= dp
@@ -217,12 +241,15 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
         FL: T.Tensor(fl_shape, T.int32),  # stream_k: its flag (1: WS[b] holds a partial not yet taken)
     ):
         with T.Kernel(ctas if persistent else col_tiles * T.ceildiv(M, BM), threads=128 + consumers,
-                      prelude=FLAG_SOURCE if sk else None) as bid:
+                      prelude=FLAG_SOURCE if sk else None, **launch) as bid:
             a_s = T.alloc_shared((stages, BM, BK), bf16)
             b_s = T.alloc_shared((stages, BN, BK), bf16)
             z_s = T.alloc_shared((BM, ZC), bf16)
             loaded = T.alloc_barrier([32] * stages)
-            empty = T.alloc_barrier([consumers] * stages)
+            if mc:  # released by the consumers of both CTAs: either CTA's W load fills both
+                empty = T.alloc_cluster_barrier([2 * consumers] * stages)
+            else:
+                empty = T.alloc_barrier([consumers] * stages)
             acc = T.alloc_fragment((BM, BN), f32)
             if in_regs:  # the rope chunk de-rotated into the wgmma's A registers; cos and +-sin of each element's
                 # pair (1 and 0 before the rope dims), loaded once a tile
@@ -235,6 +262,9 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
             tx = T.get_thread_binding()
             tiles = col_tiles * T.ceildiv(M, BM)
             rounds, dp, base, span, i0, i1 = phase(bid, tiles)
+            if mc:
+                T.cluster_sync()  # both CTAs' barriers are initialized before either arrives on the other's
+
             if tx < 128:
                 T.set_max_nreg(PRODUCER_REGS, 0)
                 if tx < 32:
@@ -257,8 +287,9 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
                             else:
                                 T.tma_copy(O[by * BM:(by + 1) * BM, grp * K + k0:grp * K + k0 + BK], a_s[st, :, :],
                                            barrier=loaded[st], leader_scope_threads=32)
+                            # with multicast, rank 0 loads W into both CTAs; each expects its bytes
                             T.tma_copy(W[bx * BN:(bx + 1) * BN, k0:k0 + BK], b_s[st, :, :],
-                                       barrier=loaded[st], leader_scope_threads=32)
+                                       barrier=loaded[st], leader_scope_threads=32, cluster_mask=0b11 if mc else None)
                             T.mbarrier_arrive(loaded[st])
             else:
                 T.set_max_nreg(CONSUMER_REGS, 1)
@@ -317,14 +348,14 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
                                          policy=T.GemmWarpPolicy.FullRow)
                         if wait0:
                             T.wait_wgmma(0)
-                            T.mbarrier_arrive(empty[st])
+                            release(empty, st)
                         else:
                             T.wait_wgmma(1)  # the previous chunk's wgmma is done: its stage can be refilled
                             if jc > 0:
-                                T.mbarrier_arrive(empty[(u + stages - 1) % stages])
+                                release(empty, (u + stages - 1) % stages)
                     T.wait_wgmma(0)
                     if not wait0 and persistent:  # the tile's last stage (a non-persistent CTA just exits)
-                        T.mbarrier_arrive(empty[(ub + hi - 1) % stages])
+                        release(empty, (ub + hi - 1) % stages)
                     if sk:
                         if lo > 0:  # a cut tile's tail (this CTA's first item): its partial, for the CTA before
                             for i, j in T.Parallel(BM, BN):
@@ -353,5 +384,7 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
                             T.fence_proxy_async()  # the shared-memory writes, before the TMA store reads them
                             T.sync_threads(1, consumers)
                             T.copy(z_s, Z[by * BM, bx * BN + h * ZC])
+            if mc:
+                T.cluster_sync()  # neither CTA leaves while the other may still arrive on its barriers
 
     return wo_a_specialized_kernel
