@@ -288,11 +288,11 @@ def test_stream_k_schedule_covers_each_chunk_once(tiles, share):
     ctas, total = 132, 64
     sched = stream_k_schedule(tiles, ctas, total, share)
     seen: dict[int, list[tuple[int, int, int]]] = {}
+    whole = tiles // ctas - (1 if 4 * (tiles % ctas) <= ctas else 0)  # round-robin waves (wide / narrow)
     for b, items in enumerate(sched):
         for i, (tile, lo, hi) in enumerate(items):
             assert 0 <= lo < hi <= total
             seen.setdefault(tile, []).append((lo, hi, b))
-            whole = tiles // ctas - (1 if 4 * (tiles % ctas) <= ctas else 0)  # round-robin waves (wide / narrow)
             if lo > 0:  # a CTA's first item after its whole tiles
                 assert i == whole, (b, items)
             if hi < total:  # the last item
@@ -669,9 +669,9 @@ def test_gpu_tilelang_stream_k_cuts_only_its_schedule_tiles(tp):
         base = tw.wo_a(o, w, c, s, rd, batch_invariant=False, config=tw.BATCH_INVARIANT_CONFIG)
         bm, bn = cfg["BM"], cfg["BN"]
         col_tiles = g * r // bn
-        sched = stream_k_schedule(col_tiles * -(-m // bm), tw.sm_count(), (o.shape[1] // g) * d // cfg["BK"],
-                                  cfg["stream_k"])
-        cut = {tile for items in sched for tile, lo, hi in items if hi - lo < (o.shape[1] // g) * d // cfg["BK"]}
+        total = (o.shape[1] // g) * d // cfg["BK"]  # K chunks a tile
+        sched = stream_k_schedule(col_tiles * -(-m // bm), tw.sm_count(), total, cfg["stream_k"])
+        cut = {tile for items in sched for tile, lo, hi in items if hi - lo < total}
         same = torch.ones_like(out, dtype=torch.bool)
         for tile in cut:
             by, bx = divmod(tile, col_tiles)

@@ -132,9 +132,9 @@ STREAM_K_SHARE = 0.25
 CANDIDATES[TACTIC_OP] += [dict(SPECIALIZED_CONFIG, stream_k=True), dict(SPECIALIZED_REGISTERS_CONFIG, stream_k=True)]
 # Opt-in, not a tuner candidate: built for sm_90a but NOT YET RUN ON A GPU (written in the sixteenth session, whose
 # device time was spent). CTA pairs in a thread block cluster take the two row blocks of a column tile; rank 0 loads
-# each W chunk into both CTAs by TMA multicast, so the L2 serves 32 instead of 48 KiB a CTA a chunk (at M = 16384 the
-# kernel reads about 3.2 GB from L2 in 0.37 ms); the stages are released by both CTAs' consumers. Same K order and
-# wgmma, so the one-loop kernel's bits are expected (``test_gpu_tilelang_multicast_gives_the_one_loop_bits``).
+# each W chunk into both CTAs by TMA multicast, so the L2 serves 32 instead of 48 KiB a CTA a chunk (by count, at
+# M = 16384 the kernel asks the L2 for about 3.2 GB in its 0.37 ms); both CTAs' consumers release the stages. Same
+# K order and wgmma, so the one-loop kernel's bits are expected (GPU test ``..._multicast_gives_the_one_loop_bits``).
 MULTICAST_CONFIGS = [dict(SPECIALIZED_REGISTERS_CONFIG, multicast=True), dict(SPECIALIZED_CONFIG, multicast=True)]
 # Untuned defaults by token count (upper M, config), from benchmarks/results/run27-quick_check-wo_a-small.log
 # and run26 (H200): split-K with 128 x 128 tiles for decode sizes (11.8 / 15.9 / 22.5 us at M = 128 / 256 /
@@ -496,19 +496,17 @@ _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _workspace(device: torch.device, cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """``WS`` / ``FL`` of a specialized kernel: for ``stream_k`` the tail partials (fp32, one a CTA) and their
+    """``WS`` / ``FL`` of a specialized kernel: for ``stream_k`` the cut tiles' partials (fp32, one a CTA) and their
     flags (zero between launches: each launch takes every flag it sets), one pair per device and stream, so
     launches that may overlap never share one (CUDA graphs captured on one stream share it: replay them one at a
     time, as a serving loop does); otherwise one-element placeholders."""
     from .wo_a_specialized import workspace_shapes  # noqa: PLC0415
 
     sk = bool(cfg.get("stream_k"))
-    ctas = sm_count() if sk else 1
-    stream = torch.cuda.current_stream(device).stream_id if sk else 0
-    key = (str(device), stream, ctas, cfg["BM"], cfg["BN"], sk)
+    ws, fl = workspace_shapes(sm_count() if sk else 1, cfg["BM"], cfg["BN"], sk)
+    key = (str(device), torch.cuda.current_stream(device).stream_id if sk else 0, ws, fl)
     hit = _WORKSPACES.get(key)
     if hit is None:
-        ws, fl = workspace_shapes(ctas, cfg["BM"], cfg["BN"], sk)
         hit = _WORKSPACES[key] = (torch.empty(ws, dtype=torch.float32, device=device),
                                   torch.zeros(fl, dtype=torch.int32, device=device))
     return hit

@@ -81,8 +81,9 @@ def rope_reason(rope: str, rope_dim: int) -> str | None:
     return None
 
 
-# ``stream_k``: the flag of a cut tile's tail partial, published after the CTA's stores (each thread's fence, a
-# barrier, then one release store) and taken with an acquire load that spins, then cleared for the next launch
+# ``stream_k``: the flag of a cut tile's partial (any part but its head), published after the CTA's stores (each
+# thread's fence, a barrier, then one release store) and taken with an acquire load that spins, then cleared for the
+# next launch
 FLAG_SOURCE = r"""
 __device__ __forceinline__ void dsv41_flag_set(int* flag) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;" :: "l"(flag), "r"(1) : "memory");
@@ -237,7 +238,7 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
         W: T.Tensor((N, K), bf16),
         CS: T.Tensor(cs_shape, cs_dtype),  # de-rotated rope chunks, or the cos/sin table (unread without RoPE)
         Z: T.Tensor((M, N), bf16),
-        WS: T.Tensor(ws_shape, f32),  # stream_k: a cut tile's tail partial, by the CTA that computed it
+        WS: T.Tensor(ws_shape, f32),  # stream_k: a cut tile's partial (not its head), by the CTA that computed it
         FL: T.Tensor(fl_shape, T.int32),  # stream_k: its flag (1: WS[b] holds a partial not yet taken)
     ):
         with T.Kernel(ctas if persistent else col_tiles * T.ceildiv(M, BM), threads=128 + consumers,
@@ -357,7 +358,7 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
                     if not wait0 and persistent:  # the tile's last stage (a non-persistent CTA just exits)
                         release(empty, (ub + hi - 1) % stages)
                     if sk:
-                        if lo > 0:  # a cut tile's tail (this CTA's first item): its partial, for the CTA before
+                        if lo > 0:  # a cut tile's later part (a first shared-out item): its partial, for the head
                             for i, j in T.Parallel(BM, BN):
                                 WS[bid, i, j] = acc[i, j]
                             T.call_extern("handle", "dsv41_fence")
