@@ -40,9 +40,6 @@ SPECIALIZED = [
     dict(_BASE, rope="registers"),
     dict(_BASE, persistent=True, stages=4, z_cols=128),
     dict(_BASE, rope="registers", persistent=True, stages=4, z_cols=128),
-    # W multicast to a CTA pair (``wo_a.MULTICAST_CONFIGS``; written in the sixteenth session, not run yet)
-    dict(_BASE, rope="registers", persistent=True, stages=4, z_cols=128, multicast=True),
-    dict(_BASE, persistent=True, multicast=True),
 ]
 # the GEMM alone (no RoPE)
 NO_ROPE = [dict(_BASE, persistent=True), dict(_BASE, persistent=True, stages=4, z_cols=128)]
@@ -63,7 +60,7 @@ def _name(c: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in c.items() if _BASE.get(k) != v) or "tails"
 
 
-def probe(m: int, tp: int, rounds: int, stream_k: bool = False) -> list[tuple]:
+def probe(m: int, tp: int, rounds: int, stream_k: bool = False, store: bool = False) -> list[tuple]:
     from dsv41_passes.lowering.tilelang import wo_a as tw
     from dsv41_passes.lowering.triton.wo_a import rope_tails
 
@@ -74,7 +71,13 @@ def probe(m: int, tp: int, rounds: int, stream_k: bool = False) -> list[tuple]:
     base = {rd: tw.wo_a(o, w, cos, sin, rd, batch_invariant=False, config=default),
             0: tw.wo_a(o, w, None, None, 0, batch_invariant=False, config=default)}
     variants = [("default", default, rd)]
-    if stream_k:  # the default without stream-K, and with any partial wave shared out (cut tiles' bits differ)
+    if store:  # the register-A kernel and the rope pass (both with stream-K), and each warpgroup storing its rows
+        regs = dict(tw.SPECIALIZED_REGISTERS_CONFIG, stream_k=tw.STREAM_K_SHARE)
+        tails = dict(tw.SPECIALIZED_CONFIG, stream_k=tw.STREAM_K_SHARE)
+        variants += [(name, c, rd) for name, c in (("registers, stream_k", regs), ("rope pass, stream_k", tails))
+                     if c != default]
+        variants += [("registers, stream_k, wg_store", dict(regs, wg_store=True), rd)]
+    elif stream_k:  # the default without stream-K, and with any partial wave shared out (cut tiles' bits differ)
         if default.get("specialized"):
             variants += [("default, no stream_k", dict(default, stream_k=0), rd),
                          ("default, stream_k any wave", dict(default, stream_k=True), rd)]
@@ -123,6 +126,8 @@ def main() -> None:
     ap.add_argument("--tp", type=int, nargs="+", default=[4])
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--stream-k", action="store_true", help="the defaults with and without stream-K only")
+    ap.add_argument("--store", action="store_true",
+                    help="the register-A kernel, the rope pass and the tile stored by each warpgroup only")
     args = ap.parse_args()
     import dsv41_passes  # noqa: F401  (registers the ops)
 
@@ -130,7 +135,7 @@ def main() -> None:
     rows = []
     for tp in args.tp:
         for m in args.m:
-            rows += probe(m, tp, args.rounds, args.stream_k)
+            rows += probe(m, tp, args.rounds, args.stream_k, args.store)
             torch.cuda.empty_cache()
     print("\n| TP | M | variant | bits | vs reference | ms (median) | ms (min) | rate (median) |\n"
           "|---|---|---|---|---|---|---|---|")

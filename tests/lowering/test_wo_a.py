@@ -243,6 +243,9 @@ def test_tilelang_launch_config():
         tw.launch_config(dict(tw.SPECIALIZED_CONFIG, persistent=False, **sk), 16, 512, 1024, 64)
     assert tw.default_config(2048) == tw.default_config(32768) == dict(tw.SPECIALIZED_REGISTERS_CONFIG, **sk)
     assert tw.default_config(32769) == dict(tw.SPECIALIZED_CONFIG, **sk)
+    # above 32768 the register-A kernel for TP4's 2048 columns, the rope pass for TP1's 8192
+    assert tw.default_config(32769, 2048, 8) == tw.default_config(65536, 2048, 8) == tw.default_config(32768, 2048, 8)
+    assert tw.default_config(65536, 8192, 8) == dict(tw.SPECIALIZED_CONFIG, **sk)
     assert tw.launch_config(tw.SPECIALIZED_CONFIG, 16, 512, 1024, 64) == dict(tw.SPECIALIZED_CONFIG, BN=256, BK=64)
     assert tw.launch_config(tw.SPECIALIZED_CONFIG, 16, 512, 1024, 0) == dict(tw.SPECIALIZED_CONFIG, BN=256, BK=64)
     assert tw.launch_config(tw.SPECIALIZED_CONFIG, 12, 512, 96, 64) == dict(tw.BATCH_INVARIANT_CONFIG, BN=32, BK=64)
@@ -447,8 +450,7 @@ regs = tw.launch_config(tw.SPECIALIZED_REGISTERS_CONFIG, hpg * g, d, r, rd)  # t
 out["specialized_registers"] = tw.compile_kernel(g, r, hpg, d, rd, regs).get_kernel_source()  # nvcc, sm_90a
 out["specialized_stream_k"] = tw.compile_kernel(g, r, hpg, d, rd, tw.launch_config(tw.default_config(16384), hpg * g,
                                                                                    d, r, rd)).get_kernel_source()
-out["specialized_multicast"] = tw.compile_kernel(g, r, hpg, d, rd, tw.launch_config(tw.MULTICAST_CONFIGS[0], hpg * g,
-                                                                                   d, r, rd)).get_kernel_source()
+out["specialized_wg_store"] = tw.lower_source(g, r, hpg, d, rd, dict(regs, wg_store=True))
 out["specialized_registers_rd24"] = tw.lower_source(g, r, hpg, d, 24, tw.launch_config(regs, hpg * g, d, r, 24))
 out["specialized_one_pass"] = tw.lower_source(g, r, hpg, d, rd, dict(cons, persistent=False))
 regs = max((c for c in one_loop if c.get("rope_regs")), key=lambda c: (c["BM"] * c["BN"], c["stages"]))
@@ -561,14 +563,17 @@ def test_tilelang_compiles_for_sm90a(tmp_path):
     # the parts of up to 4 next CTAs (a narrow phase gives each at least a quarter of the tile's 64 chunks)
     assert "for (int q = 0; q < 4; ++q)" in body and "FL[((((int)blockIdx.x) + q) + 1)]" in body
     assert "dsv41_flag" not in sources["specialized_registers"]
-    # multicast: CTA pairs in a cluster, rank 0 loads W into both (each CTA expects its 32 KiB), the stages are
-    # released on both CTAs' barriers (512 arrivals: 256 consumers each), cluster barriers before and after
-    src = sources["specialized_multicast"]
-    assert src.count("tl::tma_load_multicast(W_desc") == 1 and src.count("tl::tma_load(O_desc") == 1
-    assert "empty[0].init(512)" in src and ".arrive(0u)" in src and ".arrive(1u)" in src
+    # wg_store: each consumer warpgroup (threads 128-255, 256-383) writes its 64 rows into a buffer of its own, meets
+    # on a barrier of its own (2, 3) and its leader stores them; a store's read is waited for only before the
+    # buffer is written again and before the CTA leaves; no barrier of all the consumers
+    src = sources["specialized_wg_store"]
     body = src[src.index("__launch_bounds__"):]
-    assert body.index("tl::cluster_sync()") < body.index("tma_load") < body.rindex("tl::cluster_sync()")
-    assert "tma_load_multicast" not in sources["specialized_registers"]
+    assert body.count("tl::tl_shuffle_elect<128>()") == 2 and body.count("__sync_thread_partial(1, 256)") == 0
+    assert body.count("__sync_thread_partial(((((int)threadIdx.x) >> 7) + 1), 128)") == 4
+    assert body.count("tl::tma_store_wait<0, true>();") == 3 and body.rstrip().endswith("}")
+    part = body[body.index("tl::tma_store_wait<0, true>();"):]
+    wait, sync = part.index("__sync_thread_partial(((((int)"), part.index("fence_proxy_async")
+    assert wait < sync < part.index("tma_store(Z_desc")
     # with 4 stages of 48 KiB: the tile leaves in two 128-column halves through one 32 KiB buffer
     src = sources["specialized_registers"]
     assert "/ 132)" in src and "buf_dyn_shmem + 196608)" in src and "(t_1 + 3) & 3" in src
@@ -689,16 +694,16 @@ def test_gpu_tilelang_stream_k_cuts_only_its_schedule_tiles(tp):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tp", sorted(TP_SHAPES))
-def test_gpu_tilelang_multicast_gives_the_one_loop_bits(tp):
-    """W multicast to a CTA pair (opt-in ``MULTICAST_CONFIGS``): the same K order and wgmma per tile, so the
-    one-loop kernel's bits at every M, with and without the inverse RoPE, twice in a row."""
+def test_gpu_tilelang_wg_store_gives_the_one_loop_bits(tp):
+    """Each consumer warpgroup storing its own rows of the tile (``wg_store``; rows past M clipped by its TMA
+    store): the one-loop kernel's bits at every M, with and without the inverse RoPE, twice in a row."""
     from dsv41_passes.lowering.tilelang import wo_a as tw
 
     h, d, g, r, rd = TP_SHAPES[tp]
     if tilelang_available(torch.empty(0, device="cuda")):
         pytest.skip(tilelang_available(torch.empty(0, device="cuda")))
     o_all, w, _, cos_all, sin_all = make(max(GPU_M), h, d, g, r, rd, seed=13, device="cuda")
-    for cfg in tw.MULTICAST_CONFIGS:
+    for cfg in (dict(tw.SPECIALIZED_REGISTERS_CONFIG, wg_store=True), dict(tw.SPECIALIZED_CONFIG, wg_store=True)):
         for m in GPU_M:
             for c, s in ((cos_all[:m], sin_all[:m]), (None, None)):
                 o = o_all[:m]

@@ -111,7 +111,8 @@ SPECIALIZED_CONSUMERS_CONFIG = dict(SPECIALIZED_CONFIG, rope="consumers")
 # of 6 interleaved rounds, ms (``*-probe_wo_a_specialized.log``), against the rope pass (persistent, 3 stages)
 # and cuBLAS bmm: run121 0.3935 vs 0.4162 / 0.3951 at 16384, 0.1012 vs 0.1077 / 0.1006 at 4096; run122 0.8253 vs
 # 0.8536 / 0.7992 at 32768, 0.2054 vs 0.2135 / 0.2053 at 8192, 0.0515 vs 0.0582 / 0.0516 at 2048. At 65536 it
-# ties with the rope pass (1.658 vs 1.6425 in run121, 1.6766 vs 1.6804 in run122), which stays the default there.
+# tied with the rope pass (1.658 vs 1.6425 in run121, 1.6766 vs 1.6804 in run122); with stream-K on both it is ahead
+# at TP4 (``REGISTERS_MAX_N``).
 # With 3 stages (run119) 0.4289 vs 0.4355 at 16384: the rope chunk takes longer to consume, and the 4th stage
 # keeps the loads ahead of it.
 SPECIALIZED_REGISTERS_CONFIG = dict(SPECIALIZED_CONFIG, rope="registers", stages=4, z_cols=128)
@@ -126,21 +127,30 @@ SPECIALIZED_REGISTERS_CONFIG = dict(SPECIALIZED_CONFIG, rope="registers", stages
 # medians of 6 rounds): 1.237 vs 1.251 at 49152, 1.029 vs 1.034 at 40960, 0.2385 vs 0.2526 at 9216 (48), but 1.014
 # vs 1.002 at 34816 (64), 0.4037 vs 0.3991 at 16384 (100), 0.1228 vs 0.1039 at 4096 (124), at TP1 0.4476 vs 0.4169
 # at 4096 and 0.2592 vs 0.2169 at 2048 (116): the fix-up of tiles cut in up to five parts costs what a mostly full
-# partial wave gains. So the default shares out partial waves of up to a quarter of the CTAs only.
+# partial wave gains. So the default shares out partial waves of up to a quarter of the CTAs only. That fix-up (the
+# partials stored, flagged, waited for and added) is what costs: a diagnostic build without it (wrong sums, not kept;
+# run156/157-diag-stream_k-fixup.log, medians of 10 rounds, ms) took 0.1044 / 0.1051 against 0.1198 / 0.1208 with it
+# (any partial wave) and 0.1054 / 0.1064 for the default at 4096, 0.4159 / 0.4137 against 0.4316 / 0.4279 and 0.4294
+# / 0.4232 at 16384, 0.1101 / 0.1198 against 0.1204 / 0.1302 at 4352 (the default's wide phase). Flags a 128-byte
+# line apart with one fence a CTA instead of one a thread changed nothing (run157).
 STREAM_K_SHARE = 0.25
-# Tuner candidates: any partial wave shared out
-CANDIDATES[TACTIC_OP] += [dict(SPECIALIZED_CONFIG, stream_k=True), dict(SPECIALIZED_REGISTERS_CONFIG, stream_k=True)]
-# Opt-in, not a tuner candidate: built for sm_90a but NOT YET RUN ON A GPU (written in the sixteenth session, whose
-# device time was spent). CTA pairs in a thread block cluster take the two row blocks of a column tile; rank 0 loads
-# each W chunk into both CTAs by TMA multicast, so the L2 serves 32 instead of 48 KiB a CTA a chunk (by count, at
-# M = 16384 the kernel asks the L2 for about 3.2 GB in its 0.37 ms); both CTAs' consumers release the stages. Same
-# K order and wgmma, so the one-loop kernel's bits are expected (GPU test ``..._multicast_gives_the_one_loop_bits``).
-MULTICAST_CONFIGS = [dict(SPECIALIZED_REGISTERS_CONFIG, multicast=True), dict(SPECIALIZED_CONFIG, multicast=True)]
+# Above M = 32768 too, for up to REGISTERS_MAX_N output columns (TP4's 2048; the W of 16 MiB stays in the L2): the
+# register-A kernel with stream-K, against the rope pass (medians of 12 interleaved rounds, ms,
+# run153-probe_wo_a_store-gt32k-tp4.log): 1.6243 vs 1.7086 at 65536, 1.2726 vs 1.3314 at 49152, 1.0248 vs 1.0689 at
+# 40960, 0.9693 vs 0.9974 at 36864 (cuBLAS bmm 1.6303 / 1.2292 / 0.9979 / 0.9273); runs 151-152 1.6414 vs 1.7373 and
+# 1.6476 vs 1.7421 at 65536. At TP1 (N 8192, a W of 64 MiB) the rope pass stays ahead: 7.0279 vs 7.2943 at 65536.
+REGISTERS_MAX_N = 2048
+# Tuner candidates: any partial wave shared out; each consumer warpgroup storing its rows of the tile on its own
+# (``wg_store``, the same bits; no clear gain: 1.6164 vs 1.6243 at 65536 and 1.2563 vs 1.2726 at 49152 in run153,
+# within 1% either way at 36864, 16384, 4096 and TP1; slower with the rope pass's one 256-column store)
+CANDIDATES[TACTIC_OP] += [dict(SPECIALIZED_CONFIG, stream_k=True), dict(SPECIALIZED_REGISTERS_CONFIG, stream_k=True),
+                          dict(SPECIALIZED_REGISTERS_CONFIG, stream_k=STREAM_K_SHARE, wg_store=True)]
 # Untuned defaults by token count (upper M, config), from benchmarks/results/run27-quick_check-wo_a-small.log
 # and run26 (H200): split-K with 128 x 128 tiles for decode sizes (11.8 / 15.9 / 22.5 us at M = 128 / 256 /
 # 512 where the 64 x 64 one-loop kernel took 27.4 / 28.1 / 55.3), 128 x 128 up to 1024 (31.4 vs 112 us),
 # 128 x 256 with the tile stored through shared memory up to 2047 (0.0997 vs 0.106 ms at 4096, 1.73 vs 1.80
-# at 65536), SPECIALIZED_REGISTERS_CONFIG up to 32768 and SPECIALIZED_CONFIG above (both with stream-K). M <= 128
+# at 65536), SPECIALIZED_REGISTERS_CONFIG up to 32768 and above for N <= REGISTERS_MAX_N, otherwise SPECIALIZED_CONFIG
+# (all with stream-K). M <= 128
 # with the geometry known: ``decode_config``. M <= 16 (outside batch-invariant mode) runs the Triton split-K kernel
 # (``triton.wo_a``).
 DEFAULTS: list[tuple[int, dict]] = [
@@ -168,12 +178,15 @@ def decode_config(m: int, n: int, hpg: int, sms: int) -> dict:
 
 def default_config(m: int, n: int | None = None, hpg: int | None = None) -> dict:
     """Untuned choice by token count (see ``DEFAULTS``); with the geometry (``n = G*R`` output columns, ``hpg``
-    heads a group) given, ``decode_config`` at M <= 128."""
+    heads a group) given, ``decode_config`` at M <= 128, and above M = 32768 the register-A kernel for ``n`` up to
+    ``REGISTERS_MAX_N``."""
     if m <= DECODE_MAX_M and n is not None and hpg is not None:
         return decode_config(m, n, hpg, sm_count())
     for upper, cfg in DEFAULTS:
         if m <= upper:
             return dict(cfg)
+    if n is not None and n <= REGISTERS_MAX_N:
+        return dict(SPECIALIZED_REGISTERS_CONFIG, stream_k=STREAM_K_SHARE)
     return dict(SPECIALIZED_CONFIG, stream_k=STREAM_K_SHARE)
 
 

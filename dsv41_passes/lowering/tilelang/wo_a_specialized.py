@@ -47,10 +47,13 @@ range, for flags that the next few CTAs (at most ``stream_k_partners``) publish 
 wait of their own: with CTAs dispatched in order, the kernel goes on with as few as five of them resident at a time
 (SMs held by another kernel delay it, they cannot stall it).
 
-``multicast`` (persistent, without ``stream_k``; opt-in, not yet run on a GPU): CTA pairs of a thread block cluster
-take the two row blocks of a column tile; rank 0 loads each W chunk into both CTAs by TMA multicast (each CTA
-expects its own bytes), and the ``empty`` barriers count the consumers of both CTAs, so neither CTA's stage is
-refilled before both have read it. Cluster barriers after the set-up and before the CTAs leave.
+``wg_store``: each consumer warpgroup writes its 64 rows of the tile into a ``[64, z_cols]`` buffer of its own, meets
+on a named barrier of its own and its leader thread stores them by TMA (rows past M clipped by the store); a store's
+read is waited for only before that buffer is written again, so neither warpgroup waits for the other's epilogue.
+The same bits; no clear gain (run153). Tried with it and dropped (runs 151-152): warpgroup 1 starting its first tile
+one or two chunks after warpgroup 0, so that one's wgmmas run while the other stores (within 1-2% either way).
+W multicast to a CTA pair of a cluster (run150: the same bits, 1.6662 against 1.6523 ms at M = 65536, not faster:
+the L2 does not pace the kernel) was dropped too.
 
 The bf16 tile leaves through shared memory (TMA store). M is ``T.dynamic``.
 De-rotating in the producer warpgroup was tried twice and dropped: three warps reading cos/sin from L2 a
@@ -140,7 +143,7 @@ def stream_k_schedule(tiles: int, ctas: int, total: int, stream_k: float = True)
 
 def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN: int, BK: int,
                       stages: int, threads: int = 0, wait0: bool = False, rope: str = "tails", ctas: int = 0,
-                      z_cols: int = 0, stream_k: float = 0, multicast: bool = False):
+                      z_cols: int = 0, stream_k: float = 0, wg_store: bool = False):
     """The prim_func for one geometry and config (``threads`` is implied: one producer warpgroup and
     ``BM / 64`` consumers; a value passed must count the consumers or all of them)."""
     import tilelang.language as T
@@ -183,19 +186,10 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
         raise ValueError("wo_a (tilelang, specialized): stream_k needs a persistent kernel")
     ws_shape, fl_shape = workspace_shapes(ctas, BM, BN, sk)
     partners = stream_k_partners(total)
-    mc = bool(multicast)
-    if mc and (not persistent or sk or ctas % 2):
-        raise ValueError("wo_a (tilelang, specialized): multicast needs a persistent kernel of an even number of CTAs "
-                         "and no stream_k")
-    launch = dict(cluster_dims=(2, 1, 1)) if mc else {}
 
     @T.macro
-    def release(empty, x):  # the consumers are done with stage x (with multicast, in both CTAs of the cluster)
-        if mc:
-            T.mbarrier_arrive(empty[x], 0)
-            T.mbarrier_arrive(empty[x], 1)
-        else:
-            T.mbarrier_arrive(empty[x])
+    def release(empty, x):  # the consumers are done with stage x
+        T.mbarrier_arrive(empty[x])
 
     def var(expr):  # an int32 register: the expression is computed once, not at every use
         return T.alloc_var(T.int32, init=expr)[0]
@@ -203,9 +197,6 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
     def phase(bid, tiles):
         """A CTA's work: (items, whole tiles first, the waves of them, the shared-out chunks, its first and end
         chunk of them). Without ``stream_k``, ``rounds`` whole tiles."""
-        if mc:  # a cluster takes the pair of row blocks of a column tile
-            pairs = col_tiles * T.ceildiv(tiles // col_tiles, 2)
-            return T.ceildiv(pairs - bid // 2, ctas // 2), None, None, None, None, None
         if not sk:
             return (T.ceildiv(tiles - bid, ctas) if persistent else 1), None, None, None, None, None
         full = tiles // ctas
@@ -220,9 +211,6 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
 
     def work(bid, it, dp, base, i0, i1):
         """(tile, first chunk, end chunk, stage-ring uses before chunk 0) of a CTA's item ``it``."""
-        if mc:  # rank bid % 2 of the cluster takes row block 2 * (pair // col_tiles) + rank (past M: zeros, no store)
-            pair = bid // 2 + it * (ctas // 2)
-            return (2 * (pair // col_tiles) + bid % 2) * col_tiles + pair % col_tiles, 0, total, it * total
         if not sk:
             return (bid + it * ctas if persistent else bid), 0, total, it * total
         cut = it >= dp
@@ -242,15 +230,15 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
         FL: T.Tensor(fl_shape, T.int32),  # stream_k: its flag (1: WS[b] holds a partial not yet taken)
     ):
         with T.Kernel(ctas if persistent else col_tiles * T.ceildiv(M, BM), threads=128 + consumers,
-                      prelude=FLAG_SOURCE if sk else None, **launch) as bid:
+                      prelude=FLAG_SOURCE if sk else None) as bid:
             a_s = T.alloc_shared((stages, BM, BK), bf16)
             b_s = T.alloc_shared((stages, BN, BK), bf16)
-            z_s = T.alloc_shared((BM, ZC), bf16)
-            loaded = T.alloc_barrier([32] * stages)
-            if mc:  # released by the consumers of both CTAs: either CTA's W load fills both
-                empty = T.alloc_cluster_barrier([2 * consumers] * stages)
+            if wg_store:  # a [64, ZC] buffer a consumer warpgroup
+                z_s = T.alloc_shared((BM // 64, 64, ZC), bf16)
             else:
-                empty = T.alloc_barrier([consumers] * stages)
+                z_s = T.alloc_shared((BM, ZC), bf16)
+            loaded = T.alloc_barrier([32] * stages)
+            empty = T.alloc_barrier([consumers] * stages)
             acc = T.alloc_fragment((BM, BN), f32)
             if in_regs:  # the rope chunk de-rotated into the wgmma's A registers; cos and +-sin of each element's
                 # pair (1 and 0 before the rope dims), loaded once a tile
@@ -263,8 +251,6 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
             tx = T.get_thread_binding()
             tiles = col_tiles * T.ceildiv(M, BM)
             rounds, dp, base, span, i0, i1 = phase(bid, tiles)
-            if mc:
-                T.cluster_sync()  # both CTAs' barriers are initialized before either arrives on the other's
 
             if tx < 128:
                 T.set_max_nreg(PRODUCER_REGS, 0)
@@ -288,9 +274,8 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
                             else:
                                 T.tma_copy(O[by * BM:(by + 1) * BM, grp * K + k0:grp * K + k0 + BK], a_s[st, :, :],
                                            barrier=loaded[st], leader_scope_threads=32)
-                            # with multicast, rank 0 loads W into both CTAs; each expects its bytes
                             T.tma_copy(W[bx * BN:(bx + 1) * BN, k0:k0 + BK], b_s[st, :, :],
-                                       barrier=loaded[st], leader_scope_threads=32, cluster_mask=0b11 if mc else None)
+                                       barrier=loaded[st], leader_scope_threads=32)
                             T.mbarrier_arrive(loaded[st])
             else:
                 T.set_max_nreg(CONSUMER_REGS, 1)
@@ -373,19 +358,34 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
                                     T.sync_threads(1, consumers)
                                     for i, j in T.Parallel(BM, BN):
                                         acc[i, j] = acc[i, j] + WS[bid + 1 + q, i, j]
-                    if lo == 0:  # the whole tile is in acc
-                        for h in z_parts:
-                            if persistent or h > 0:
-                                T.sync_threads(1, consumers)  # the last TMA store has read z_s
-                            if ZC == BN:
-                                T.copy(acc, z_s)
-                            else:
+                    if wg_store:
+                        if lo == 0:  # the whole tile is in acc; each warpgroup stores its rows
+                            wg = c // 128
+                            r0 = by * BM + wg * 64  # this warpgroup's first row
+                            for h in z_parts:
+                                T.tma_store_wait(0)  # this warpgroup's last store (its leader's) has read z_s
+                                T.sync_threads(2 + wg, 128)
                                 for i, j in T.Parallel(BM, ZC):
-                                    z_s[i, j] = T.cast(acc[i, h * ZC + j], bf16)
-                            T.fence_proxy_async()  # the shared-memory writes, before the TMA store reads them
-                            T.sync_threads(1, consumers)
-                            T.copy(z_s, Z[by * BM, bx * BN + h * ZC])
-            if mc:
-                T.cluster_sync()  # neither CTA leaves while the other may still arrive on its barriers
+                                    z_s[i // 64, i % 64, j] = T.cast(acc[i, h * ZC + j], bf16)
+                                T.fence_proxy_async()
+                                T.sync_threads(2 + wg, 128)
+                                T.tma_copy(z_s[wg, :, :], Z[r0:r0 + 64, bx * BN + h * ZC:bx * BN + (h + 1) * ZC],
+                                           leader_scope_threads=128)
+                    else:
+                        if lo == 0:  # the whole tile is in acc
+                            for h in z_parts:
+                                if persistent or h > 0:
+                                    T.sync_threads(1, consumers)  # the last TMA store has read z_s
+                                if ZC == BN:
+                                    T.copy(acc, z_s)
+                                else:
+                                    for i, j in T.Parallel(BM, ZC):
+                                        z_s[i, j] = T.cast(acc[i, h * ZC + j], bf16)
+                                T.fence_proxy_async()  # the shared-memory writes, before the TMA store reads them
+                                T.sync_threads(1, consumers)
+                                T.copy(z_s, Z[by * BM, bx * BN + h * ZC])
+            if wg_store:
+                if tx >= 128:
+                    T.tma_store_wait(0)  # the last stores have read z_s before the CTA leaves
 
     return wo_a_specialized_kernel
