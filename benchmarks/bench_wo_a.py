@@ -13,7 +13,9 @@ K = 4096. Implementations, all with the inverse RoPE unless noted:
 * rooflines: tensor cores at a measured bf16 GEMM rate, HBM at a measured copy bandwidth.
 
 Each implementation is first checked against the reference at the benchmark shapes (PASS/FAIL);
-timings are CUDA-graph replays (``benchmarks.common.time_ms``). Results go to
+timings are CUDA-graph replays, every implementation of a shape timed in turn for ``--rounds`` rounds and the median
+kept (``benchmarks.common.time_interleaved``: this H200's speed drifts by 5-10% over a run, which timing them one
+after another put on some of them only), or one after another where a graph cannot be captured. Results go to
 ``benchmarks/results/wo_a-<device>-<date>.json``.
 """
 
@@ -35,6 +37,7 @@ from benchmarks.common import (  # noqa: E402
     measure_bf16_gemm_flops,
     measure_copy_bandwidth,
     table,
+    time_interleaved,
     time_ms,
     write_result,
 )
@@ -142,7 +145,8 @@ def timed(fn) -> tuple[float | None, str]:
             return None, "failed"
 
 
-def bench_shape(tp: int, m: int, providers: list[str], tflops: float, bandwidth: float, tune_configs: bool) -> dict:
+def bench_shape(tp: int, m: int, providers: list[str], tflops: float, bandwidth: float, tune_configs: bool,
+                rounds: int = 6) -> dict:
     h, g = HEADS // tp, GROUPS // tp
     k, n = h // g * HEAD_DIM, g * RANK
     print(f"TP{tp} M={m}: o [{m}, {h}, {HEAD_DIM}], weight [{n}, {k}]")
@@ -174,18 +178,16 @@ def bench_shape(tp: int, m: int, providers: list[str], tflops: float, bandwidth:
 
     # timings
     o_work = o.clone()
-    row["eager"], _ = timed(lambda: model_tail(o_work, freqs, w, g))
-    row["inductor"], _ = timed(lambda: compiled(o_work, freqs, w, g))
     o_gm = o.reshape(m, g, k).transpose(0, 1).contiguous()  # group-major, prepared outside the timing
     w_t = w.view(g, RANK, k).transpose(1, 2)
     z_gm = torch.empty(g, m, RANK, device="cuda", dtype=BF16)
-    row["cublas_bmm"], _ = timed(lambda: torch.bmm(o_gm, w_t, out=z_gm))
-    del o_gm, z_gm
+    fns = {"eager": lambda: model_tail(o_work, freqs, w, g), "inductor": lambda: compiled(o_work, freqs, w, g),
+           "cublas_bmm": lambda: torch.bmm(o_gm, w_t, out=z_gm)}
     for p in runnable:
-        row[f"ours_{p}"], row[f"timing_{p}"] = timed(lambda p=p: torch.ops.dsv41.wo_a(o, w, cos, sin, ROPE, p, mode))
+        fns[f"ours_{p}"] = lambda p=p: torch.ops.dsv41.wo_a(o, w, cos, sin, ROPE, p, mode)
     # what the pass runs: the first provider of its priority list that takes these inputs
     row["provider"] = choose("wo_a", PASS_PRIORITY, False, o, w, cos, sin, ROPE)[0].name
-    row["ours"], _ = timed(lambda: torch.ops.dsv41.wo_a(o, w, cos, sin, ROPE, PASS_PRIORITY, mode))
+    fns["ours"] = lambda: torch.ops.dsv41.wo_a(o, w, cos, sin, ROPE, PASS_PRIORITY, mode)
     if "tilelang" in runnable:  # the one-loop kernel's largest tile, beside the default, every run
         from dsv41_passes.lowering.tilelang import wo_a as tw
 
@@ -194,10 +196,21 @@ def bench_shape(tp: int, m: int, providers: list[str], tflops: float, bandwidth:
         out = tw.wo_a(o, w, cos, sin, ROPE, batch_invariant=False, config=cfg)
         ok["ours_tilelang_one_loop"] = check("ours_tilelang_one_loop", out, torch.ops.dsv41.wo_a(
             o, w, cos, sin, ROPE, "reference", mode))
-        row["ours_tilelang_one_loop"], row["config_tilelang_one_loop"] = timed(
-            lambda: tw.wo_a(o, w, cos, sin, ROPE, batch_invariant=False, config=cfg))[0], cfg
-        if not ok["ours_tilelang_one_loop"]:
-            row["ours_tilelang_one_loop"] = None  # a wrong kernel has no time
+        row["config_tilelang_one_loop"], row["ours_tilelang_one_loop"] = cfg, None
+        if ok["ours_tilelang_one_loop"]:  # a wrong kernel has no time
+            fns["ours_tilelang_one_loop"] = lambda: tw.wo_a(o, w, cos, sin, ROPE, batch_invariant=False, config=cfg)
+    try:
+        for name, (med, _) in time_interleaved(fns, rounds=rounds).items():
+            row[name] = med
+        how = "graph, interleaved"
+    except Exception as e:  # a launch path that cannot be captured: each timed on its own
+        print(f"    (interleaved CUDA-graph timing failed: {type(e).__name__}: {e}; timing one after another)")
+        torch.cuda.synchronize()
+        for name, fn in fns.items():
+            row[name], how = timed(fn)
+    for p in runnable:
+        row[f"timing_{p}"] = how
+    del o_gm, z_gm
     if tune_configs:
         ref = torch.ops.dsv41.wo_a(o, w, cos, sin, ROPE, "reference", mode)
         for p in runnable:
@@ -227,6 +240,7 @@ def main() -> None:
     ap.add_argument("--m", type=int, nargs="+", default=[65536, 16384, 4096, 128, 1])
     ap.add_argument("--providers", nargs="+", default=["tilelang", "triton"])
     ap.add_argument("--tune", action="store_true", help="also time every candidate config; save the best as tactics")
+    ap.add_argument("--rounds", type=int, default=6, help="rounds of the interleaved timing")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_wo_a needs a CUDA device")
@@ -234,7 +248,8 @@ def main() -> None:
     tflops = measure_bf16_gemm_flops()
     bandwidth = measure_copy_bandwidth()
     print(f"measured: bf16 GEMM {tflops / 1e12:.0f} TFLOP/s, copy {bandwidth / 1e12:.2f} TB/s")
-    rows = [bench_shape(tp, m, args.providers, tflops, bandwidth, args.tune) for tp in args.tp for m in args.m]
+    rows = [bench_shape(tp, m, args.providers, tflops, bandwidth, args.tune, args.rounds) for tp in args.tp
+            for m in args.m]
 
     ours = [f"ours_{p}" for p in args.providers] + ([f"tuned_{p}" for p in args.providers] if args.tune else [])
     if "tilelang" in args.providers:
