@@ -557,9 +557,11 @@ def test_tilelang_compiles_for_sm90a(tmp_path):
     assert "% 132)) < 33)" in src  # the default shares out a partial wave of at most 33 of 132 tiles
     body = src[src.index("__launch_bounds__"):]
     tail = body[body.index("if (0 < lo"):body.index("dsv41_flag_set(")]
-    assert tail.index("*(float2*)(WS + ") < tail.index("dsv41_fence();") < tail.index("__sync_thread_partial(1, 256)")
+    assert tail.index("*(float4*)(WS + ") < tail.index("dsv41_fence();") < tail.index("__sync_thread_partial(1, 256)")
+    # partials thread-major in 16-byte pieces (``ws_index``): a warp stores and loads 512 contiguous bytes
+    assert "(i_3 * 1024)) + (((int)threadIdx.x) * 4))" in tail and "float2*)(WS" not in body
     head = body[body.index("dsv41_flag_take("):]
-    assert head.index("__sync_thread_partial(1, 256)") < head.index("*(float2*)(WS + ") < head.index("tma_store(Z_desc")
+    assert head.index("__sync_thread_partial(1, 256)") < head.index("*(float4*)(WS + ") < head.index("tma_store(Z_desc")
     # the parts of up to 4 next CTAs (a narrow phase gives each at least a quarter of the tile's 64 chunks)
     assert "for (int q = 0; q < 4; ++q)" in body and "FL[((((int)blockIdx.x) + q) + 1)]" in body
     assert "dsv41_flag" not in sources["specialized_registers"]

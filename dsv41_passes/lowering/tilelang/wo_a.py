@@ -132,7 +132,10 @@ SPECIALIZED_REGISTERS_CONFIG = dict(SPECIALIZED_CONFIG, rope="registers", stages
 # run156/157-diag-stream_k-fixup.log, medians of 10 rounds, ms) took 0.1044 / 0.1051 against 0.1198 / 0.1208 with it
 # (any partial wave) and 0.1054 / 0.1064 for the default at 4096, 0.4159 / 0.4137 against 0.4316 / 0.4279 and 0.4294
 # / 0.4232 at 16384, 0.1101 / 0.1198 against 0.1204 / 0.1302 at 4352 (the default's wide phase). Flags a 128-byte
-# line apart with one fence a CTA instead of one a thread changed nothing (run157).
+# line apart with one fence a CTA instead of one a thread changed nothing (run157). Partials laid out for 16-byte
+# coalesced stores and loads (``ws_index``; the same sums) cut it (run158-diag-stream_k-fixup-coalesced.log, 8
+# rounds, ms): the default's wide phase at 4352 0.1140 against cuBLAS 0.1157 (run156/157: 0.1204 / 0.1302 against
+# 0.1164 / 0.1265); any partial wave at 4096 0.1121 against 0.1012 for the default, still slower.
 STREAM_K_SHARE = 0.25
 # Above M = 32768 too, for up to REGISTERS_MAX_N output columns (TP4's 2048; the W of 16 MiB stays in the L2): the
 # register-A kernel with stream-K, against the rope pass (medians of 12 interleaved rounds, ms,

@@ -37,8 +37,9 @@ partial wave of at most a quarter of the CTAs the last full wave's too ("wide"; 
 share at a quarter of a tile or more): CTA ``b`` takes chunks ``[b L / ctas, (b + 1) L / ctas)`` of those tiles'
 ``L`` chunks in (tile, chunk) order, so every CTA does the same work, give or take a chunk. A tile cut at CTA
 boundaries has a head (the last item of CTA ``b``) and parts from CTAs ``b + 1, ...`` (each such part that CTA's
-first item): those leave their fp32 partials in ``WS[cta]`` with a release flag ``FL[cta]``, and CTA ``b`` adds
-them to the head in CTA order (one fixed order) and stores the tile. The wide phase alone (run143) was slower
+first item): those leave their fp32 partials in ``WS[cta]`` (laid out by ``ws_index`` for coalesced 16-byte
+stores and loads) with a release flag ``FL[cta]``, and CTA ``b`` adds them to the head in CTA order (one fixed
+order) and stores the tile. The wide phase alone (run143) was slower
 than whole tiles with partial waves of 36 or more of 132 tiles: a CTA then takes about two tiles of a row block in
 turn, and their o is read from HBM again; the narrow phase holds only the partial wave's tiles (no faster than
 whole tiles either with mostly full partial waves, run146: see ``wo_a.STREAM_K_SHARE``). A cut tile's bits differ
@@ -190,6 +191,14 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
     @T.macro
     def release(empty, x):  # the consumers are done with stage x
         T.mbarrier_arrive(empty[x])
+
+    def ws_index(i, j):
+        """Where element (i, j) of a partial sits in ``WS[cta]`` (a bijection of the BM x BN tile): thread-major
+        in 16-byte pieces, for a wgmma accumulator's layout (thread t of the consumers holds rows i with
+        i // 16 = t // 32, i % 8 = t % 32 // 4 and columns with j % 8 // 2 = t % 4): piece k of every thread side by
+        side, so a warp reads and writes 512 contiguous bytes an instruction."""
+        t = (i // 16) * 32 + (i % 8) * 4 + (j % 8) // 2
+        return (j // 8) * (4 * consumers) + t * 4 + ((i % 16) // 8) * 2 + j % 2
 
     def var(expr):  # an int32 register: the expression is computed once, not at every use
         return T.alloc_var(T.int32, init=expr)[0]
@@ -345,7 +354,8 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
                     if sk:
                         if lo > 0:  # a cut tile's later part (a first shared-out item): its partial, for the head
                             for i, j in T.Parallel(BM, BN):
-                                WS[bid, i, j] = acc[i, j]
+                                x = ws_index(i, j)
+                                WS[bid, x // BN, x % BN] = acc[i, j]
                             T.call_extern("handle", "dsv41_fence")
                             T.sync_threads(1, consumers)
                             if c == 0:
@@ -357,7 +367,8 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
                                         T.call_extern("handle", "dsv41_flag_take", T.address_of(FL[bid + 1 + q]))
                                     T.sync_threads(1, consumers)
                                     for i, j in T.Parallel(BM, BN):
-                                        acc[i, j] = acc[i, j] + WS[bid + 1 + q, i, j]
+                                        x = ws_index(i, j)
+                                        acc[i, j] = acc[i, j] + WS[bid + 1 + q, x // BN, x % BN]
                     if wg_store:
                         if lo == 0:  # the whole tile is in acc; each warpgroup stores its rows
                             wg = c // 128
