@@ -210,7 +210,8 @@ def bench_shape(tp: int, m: int, providers: list[str], tflops: float, bandwidth:
             row[name], how = timed(fn)
     for p in runnable:
         row[f"timing_{p}"] = how
-    del o_gm, z_gm
+    fns.clear()  # the closures go, then the buffers they held
+    o_gm = z_gm = None
     if tune_configs:
         ref = torch.ops.dsv41.wo_a(o, w, cos, sin, ROPE, "reference", mode)
         for p in runnable:
@@ -229,7 +230,7 @@ def bench_shape(tp: int, m: int, providers: list[str], tflops: float, bandwidth:
         row["x_cublas"] = row["cublas_bmm"] / row["ours"] if row["cublas_bmm"] else None
     if tp == 4 and m in ANCHORS_TP4:
         row["anchor"] = ANCHORS_TP4[m]
-    del o, o_work, w
+    o = o_work = w = None
     torch.cuda.empty_cache()
     return row
 
