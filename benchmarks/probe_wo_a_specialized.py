@@ -48,6 +48,8 @@ NO_ROPE = [dict(_BASE, persistent=True), dict(_BASE, persistent=True, stages=4, 
 DECODE = [dict(BN=bn, SPLIT=s) for bn in (128, 64) for s in (1, 2, 4, 8)]
 # the same split, the parts summed by the tile's thread block cluster through distributed shared memory
 DECODE += [dict(BN=bn, SPLIT=s, cluster=True) for bn in (128, 64) for s in (2, 4, 8)]
+# the sum kernel launched by programmatic dependent launch (seventeenth session, not run yet)
+DECODE += [dict(BN=bn, SPLIT=s, pdl=True) for bn in (128, 64) for s in (2, 4, 8)]
 
 
 def _bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -56,7 +58,8 @@ def _bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _name(c: dict) -> str:
     if c.get("one_loop"):
-        return f"one-loop BN={c['BN']} split={c.get('SPLIT', 1)}" + (" cluster" if c.get("cluster") else "")
+        return (f"one-loop BN={c['BN']} split={c.get('SPLIT', 1)}" + (" cluster" if c.get("cluster") else "")
+                + (" pdl" if c.get("pdl") else ""))
     return ",".join(f"{k}={v}" for k, v in c.items() if _BASE.get(k) != v) or "tails"
 
 

@@ -229,6 +229,48 @@ def test_rope_tails_compiles_for_sm90():
     assert not any(op.startswith("fma.") for op in ops)
 
 
+def test_sum_splits_adds_the_parts_in_order_with_or_without_pdl():
+    """The split-K sum: fp32 parts added in part order, then one bf16 rounding; ``pdl`` changes only the launch
+    (off where it is not available, as under the interpreter)."""
+    from dsv41_passes.lowering.triton.wo_a import sum_splits
+
+    gen = torch.Generator().manual_seed(5)
+    part = (torch.randn(4, 7, 96, generator=gen) * torch.tensor([1.0, 1e3, -1e3, 1e-3])[:, None, None]).to(DEVICE)
+    want = part[0].clone()
+    for k in range(1, 4):
+        want = want + part[k]
+    for pdl in (False, True):
+        z = sum_splits(part, torch.empty(7, 96, dtype=torch.bfloat16, device=DEVICE), pdl=pdl)
+        assert torch.equal(z.view(torch.int16), want.bfloat16().view(torch.int16)), pdl
+
+
+def test_sum_splits_compiles_for_sm90():
+    """The GPU build of the sum kernel: launched with PDL it lets the next grid start and waits for the GEMM's
+    writes before any global access; without, no grid-dependency control at all."""
+    from sm90 import build_sm90, instructions
+
+    builds = build_sm90([dict(
+        module="dsv41_passes.lowering.triton.wo_a", kernel="_sum_splits_kernel",
+        types={"part_ptr": "*fp32", "z_ptr": "*bf16"}, aligned=["MN"],
+        constexprs=dict(SPLIT=4, BLOCK=1024, INTERP=False, PDL=pdl), options=dict(num_warps=4))
+        for pdl in (True, False)])
+    ops = [[i.split()[1] if i.startswith("@") else i.split()[0] for i in instructions(b["ptx"])] for b in builds]
+    first_global = min(i for i, op in enumerate(ops[0]) if op.startswith(("ld.global", "st.global")))
+    assert ops[0].index("griddepcontrol.launch_dependents") < ops[0].index("griddepcontrol.wait") < first_global
+    assert not any(op.startswith("griddepcontrol") for op in ops[1])
+    assert sorted(op for op in ops[0] if not op.startswith("griddepcontrol")) == sorted(ops[1])
+
+
+def test_tilelang_pdl_is_the_sum_kernels():
+    """``pdl`` in a TileLang config launches the split-K sum by PDL; the GEMM kernel (and its cache key) is the
+    same with or without it; the tuner has it for the decode splits."""
+    from dsv41_passes.lowering.tilelang import wo_a as tw
+
+    assert tw._tile_args(dict(tw._DECODE, BN=64, SPLIT=4, pdl=True)) == tw._tile_args(dict(tw._DECODE, BN=64, SPLIT=4))
+    pdl = [c for c in tw.CANDIDATES[tw.TACTIC_OP] if c.get("pdl")]
+    assert pdl and all(c.get("one_loop") and c.get("SPLIT", 1) > 1 and not c.get("cluster") for c in pdl)
+
+
 def test_tilelang_launch_config():
     """From M = 2048 the written-out pipeline (rope chunks de-rotated into the wgmma's A registers up to 32768);
     where the tails pass cannot tile the heads, the one-loop kernel with the same bits; BN / BK clipped to the

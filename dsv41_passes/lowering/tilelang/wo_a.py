@@ -71,6 +71,10 @@ CANDIDATES: dict[str, list[dict]] = {
     # global memory, no sum kernel; the same bits as the same split); clusters of 4 fit fewer at a time
     # (run138-probe_wo_a_decode-cluster.log: 64-column tiles in 4 parts 16.9 us against 11.1 at M = 128)
     + [dict(_DECODE, BN=64, SPLIT=2, cluster=True), dict(_DECODE, SPLIT=4, cluster=True)]
+    # the decode default's split (64-column tiles in 4 parts at TP4, 128 x 128 in 8) with the sum kernel launched by
+    # programmatic dependent launch (``pdl``: its grid may start while the GEMM finishes; the same bits). Not
+    # measured yet (written in the seventeenth session after its device time was spent): left to the tuner
+    + [dict(_DECODE, BN=64, SPLIT=4, pdl=True), dict(_DECODE, SPLIT=8, pdl=True)]
     # the tile leaves through shared memory (TMA store); 128 x 128 x 3 stages with or without it measured
     # 2.39-2.51 ms at 65536 against 1.73 for this one (run26-quick_check-wo_a.log) and were dropped
     + [dict(BM=128, BN=256, BK=64, stages=3, threads=256, one_loop=True, cs_regs=True, epi_smem=True)]
@@ -487,7 +491,7 @@ def _pass_configs(cfg: dict) -> dict:
 
 
 def _tile_args(cfg: dict) -> dict:
-    skip = ("one_loop", "SPLIT")
+    skip = ("one_loop", "SPLIT", "pdl")  # (``pdl`` is the sum kernel's)
     if cfg.get("specialized"):  # the tile always leaves through shared memory
         skip += ("specialized", "cs_regs", "epi_smem", "persistent")
     args = {k: v for k, v in cfg.items() if k not in skip}
@@ -619,4 +623,4 @@ def wo_a(
 
     part = torch.empty((split, m, n), dtype=torch.float32, device=o.device)
     kernel(o.view(m, h * d), weight, cs, part)
-    return sum_splits(part, z)
+    return sum_splits(part, z, pdl=bool(cfg.get("pdl")))

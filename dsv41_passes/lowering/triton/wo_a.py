@@ -168,8 +168,10 @@ def _wo_a_kernel(
 
 
 @triton.jit(do_not_specialize=["MN"])
-def _sum_splits_kernel(part_ptr, z_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, INTERP: tl.constexpr):
+def _sum_splits_kernel(part_ptr, z_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, INTERP: tl.constexpr,
+                       PDL: tl.constexpr):
     """``z = bf16(part[0] + part[1] + ... + part[SPLIT-1])``, always in that order."""
+    pdl_prologue(PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < MN
     acc = tl.load(part_ptr + i, mask=ok, other=0.0)
@@ -289,10 +291,13 @@ def rope_tails(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: 
     return t
 
 
-def sum_splits(part: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """``z = bf16(part[0] + ... + part[S-1])`` summed in that order (``part [S, M, N]`` fp32, contiguous)."""
+def sum_splits(part: torch.Tensor, z: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """``z = bf16(part[0] + ... + part[S-1])`` summed in that order (``part [S, M, N]`` fp32, contiguous).
+    ``pdl``: launched by programmatic dependent launch where available (``common.pdl_available``), so its grid
+    can start while the kernel that wrote ``part`` finishes; it waits for that kernel's writes first."""
     s, m, n = part.shape
     block = 1024
+    pdl = pdl and pdl_available(part.device)
     _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, z, m * n, SPLIT=s, BLOCK=block, INTERP=INTERPRET,
-                                                      num_warps=4)
+                                                      PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
     return z
