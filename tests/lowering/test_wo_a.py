@@ -686,6 +686,27 @@ def test_gpu_tilelang_one_loop_configs(tp):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tp", sorted(TP_SHAPES))
+def test_gpu_tilelang_pdl_sum_gives_the_same_bits(tp):
+    """The split-K sum launched by PDL waits for the GEMM's parts: the bits of the same split launched plainly, on a
+    stream and replayed in a CUDA graph right after other work."""
+    from dsv41_passes.lowering.tilelang import wo_a as tw
+
+    _, _, _, _, rd = TP_SHAPES[tp]
+    for cfg, o, w, c, s in _tilelang_candidates(tp, 11, lambda c: c.get("pdl"), (1, 7, 130, 300, 1000)):
+        base = tw.wo_a(o, w, c, s, rd, batch_invariant=False, config=dict(cfg, pdl=False))
+        out = tw.wo_a(o, w, c, s, rd, batch_invariant=False, config=cfg)
+        assert torch.equal(out.view(torch.int16), base.view(torch.int16)), (cfg, o.shape[0], c is not None)
+        graph, noise = torch.cuda.CUDAGraph(), torch.empty(1 << 22, device="cuda")
+        with torch.cuda.graph(graph):
+            noise.normal_()
+            got = tw.wo_a(o, w, c, s, rd, batch_invariant=False, config=cfg)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got.view(torch.int16), base.view(torch.int16)), (cfg, o.shape[0], "graph")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", sorted(TP_SHAPES))
 def test_gpu_tilelang_specialized_gives_the_one_loop_bits(tp):
     """The written-out pipeline, its rope chunks de-rotated beforehand or by its consumers, persistent or not: the
     128 x 256 one-loop kernel's bits, every M."""
