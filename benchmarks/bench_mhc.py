@@ -251,7 +251,7 @@ def run(ms: list[int], units: tuple[str, ...] = UNITS, release_cache: bool = Tru
                 rows.append(row)
                 print(table([row], ["unit", "M", "variant", "check", "ms", "x_roofline", "anchor_ms", "goal_ms"])
                       .splitlines()[-1], flush=True)
-        del t
+        t = None  # (the closures timed above are done with it)
         torch.cuda.empty_cache()
     return {"copy_bandwidth_Bps": bw, "rows": rows, "shapes": dict(hidden=D, hc=HC, K=HC * D, N=24)}
 
@@ -295,7 +295,7 @@ def tune(ms: list[int], ops: list[str], path: str) -> None:
                 tuning.record(op, tuning.bucket(m), dict(d=D, n=HC), best[1])
                 rows.append(dict(op=op, M=m, ms=best[0], config=str(best[1])))
                 print(table(rows[-1:], ["op", "M", "ms", "config"]).splitlines()[-1], flush=True)
-        del t
+        t = None  # (the closures timed above are done with it)
         torch.cuda.empty_cache()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     n = tuning.save_tactics(path)

@@ -217,7 +217,7 @@ def bench_q(tp: int, m: int, bandwidth: float, tune_configs: bool) -> dict:
     row["roofline"] = (2 * m * h * D * 2 + m * RD * 4) / bandwidth * 1e3
     if tp == 4 and m in ANCHORS_Q_TP4:
         row["anchor"] = ANCHORS_Q_TP4[m]
-    del q, work, buf
+    q = work = buf = None
     torch.cuda.empty_cache()
     return row
 
@@ -269,7 +269,7 @@ def bench_kv(m: int, bandwidth: float, tune_configs: bool) -> dict:
                              row["config_ours"])
     row["roofline"] = (3 * m * D * 2 + m * RD * 4 + m * 8) / bandwidth * 1e3
     row["copy_same_bytes"] = copy_time(3 * m * D * 2 + m * RD * 4 + m * 8)
-    del kv, cache
+    kv = cache = None
     torch.cuda.empty_cache()
     return row
 

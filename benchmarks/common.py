@@ -174,7 +174,7 @@ def measure_copy_bandwidth(gib: float = 4.0) -> float:
     a = torch.empty(n, dtype=torch.float32, device="cuda").uniform_()
     b = torch.empty_like(a)
     ms = time_ms(lambda: b.copy_(a), graph=False, reps=20)
-    del a, b
+    a = b = None
     torch.cuda.empty_cache()
     return 2 * n * 4 / (ms * 1e-3)
 

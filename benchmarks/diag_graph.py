@@ -3,8 +3,6 @@
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dsv41_passes as dp  # noqa: E402
 from benchmarks.diag_mhc_match import args, unit  # noqa: E402,F401

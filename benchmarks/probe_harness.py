@@ -59,7 +59,7 @@ def post(m: int = 65536) -> None:
     out = torch.empty_like(h)
     show(what, "5 then an unused 2.7 GB tensor allocated", fns)
     del out
-    del t, y, h, po, co
+    t = y = h = po = co = None
     torch.cuda.empty_cache()
 
 

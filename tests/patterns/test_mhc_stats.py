@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import dsv41_passes as dp
-from dsv41_passes.reference.mhc import hc_mixes, sinkhorn
+from dsv41_passes.reference.mhc import hc_mixes
 
 REF = dp.PassConfig(providers=("reference",))
 N, D = 4, 32
