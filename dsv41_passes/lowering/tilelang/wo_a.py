@@ -157,9 +157,8 @@ CANDIDATES[TACTIC_OP] += [dict(SPECIALIZED_CONFIG, stream_k=True), dict(SPECIALI
 # 512 where the 64 x 64 one-loop kernel took 27.4 / 28.1 / 55.3), 128 x 128 up to 1024 (31.4 vs 112 us),
 # 128 x 256 with the tile stored through shared memory up to 2047 (0.0997 vs 0.106 ms at 4096, 1.73 vs 1.80
 # at 65536), SPECIALIZED_REGISTERS_CONFIG up to 32768 and above for N <= REGISTERS_MAX_N, otherwise SPECIALIZED_CONFIG
-# (all with stream-K). M <= 128
-# with the geometry known: ``decode_config``. M <= 16 (outside batch-invariant mode) runs the Triton split-K kernel
-# (``triton.wo_a``).
+# (all with stream-K). M <= 128 with the geometry known: ``decode_config``. M <= 16 (outside batch-invariant mode)
+# runs the Triton split-K kernel (``triton.wo_a``).
 DEFAULTS: list[tuple[int, dict]] = [
     (128, dict(_DECODE, SPLIT=8)),
     (256, dict(_DECODE, SPLIT=4)),
