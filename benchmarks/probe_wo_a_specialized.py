@@ -22,6 +22,7 @@ chunks), all since dropped. Run 119's log has three more with ``rope="registers"
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -58,12 +59,14 @@ def _bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _name(c: dict) -> str:
     if c.get("one_loop"):
-        return (f"one-loop BN={c['BN']} split={c.get('SPLIT', 1)}" + (" cluster" if c.get("cluster") else "")
-                + (" pdl" if c.get("pdl") else ""))
+        bm = "" if c["BM"] == 128 else f"BM={c['BM']} "
+        return (f"one-loop {bm}BN={c['BN']} split={c.get('SPLIT', 1)}" + (" cluster" if c.get("cluster") else "")
+                + (" pdl" if c.get("pdl") else "") + (f" stages={c['stages']}" if c.get("stages", 4) != 4 else ""))
     return ",".join(f"{k}={v}" for k, v in c.items() if _BASE.get(k) != v) or "tails"
 
 
-def probe(m: int, tp: int, rounds: int, stream_k: bool = False, store: bool = False) -> list[tuple]:
+def probe(m: int, tp: int, rounds: int, stream_k: bool = False, store: bool = False,
+          decode: list[dict] | None = None) -> list[tuple]:
     from dsv41_passes.lowering.tilelang import wo_a as tw
     from dsv41_passes.lowering.triton.wo_a import rope_tails
 
@@ -89,7 +92,7 @@ def probe(m: int, tp: int, rounds: int, stream_k: bool = False, store: bool = Fa
         variants += [("no rope, default", default, 0)]
         variants += [("no rope, specialized " + _name(c), c, 0) for c in NO_ROPE]
     else:
-        variants += [(_name(c), c, rd) for c in (dict(tw._DECODE, **d_) for d_ in DECODE)]
+        variants += [(_name(c), c, rd) for c in (dict(tw._DECODE, **d_) for d_ in (decode or DECODE))]
     fns, notes = {}, {}
     for name, cfg, rdim in variants:
         c_, s_ = (cos, sin) if rdim else (None, None)
@@ -131,6 +134,9 @@ def main() -> None:
     ap.add_argument("--stream-k", action="store_true", help="the defaults with and without stream-K only")
     ap.add_argument("--store", action="store_true",
                     help="the register-A kernel, the rope pass and the tile stored by each warpgroup only")
+    ap.add_argument("--decode", type=json.loads, metavar="JSON",
+                    help="at M <= 1024: these one-loop configs (a JSON list of overrides of wo_a._DECODE) instead of "
+                         "DECODE")
     args = ap.parse_args()
     import dsv41_passes  # noqa: F401  (registers the ops)
 
@@ -138,7 +144,7 @@ def main() -> None:
     rows = []
     for tp in args.tp:
         for m in args.m:
-            rows += probe(m, tp, args.rounds, args.stream_k, args.store)
+            rows += probe(m, tp, args.rounds, args.stream_k, args.store, args.decode)
             torch.cuda.empty_cache()
     print("\n| TP | M | variant | bits | vs reference | ms (median) | ms (min) | rate (median) |\n"
           "|---|---|---|---|---|---|---|---|")

@@ -11,6 +11,7 @@ launches are the steady-state binaries (M is a runtime argument: the same binary
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -52,6 +53,9 @@ def launches(m: int) -> dict:
         "kv_tile": lambda: rk.kv_rope_quant(kv_in, kw, 1e-6, cos, sin, 32, cache, slots, batch_invariant=False,
                                             config=rk.KV_TILE_DEFAULT),
         "wo_a": lambda: tw.wo_a(o, wa, cs[..., 0], cs[..., 1], 64, batch_invariant=False),
+        # cuBLAS on the same product (no RoPE), o laid out group-major first (outside the profiled launch)
+        "wo_a_bmm": functools.partial(torch.bmm, o.view(m, 2, -1).transpose(0, 1).contiguous(),
+                                      wa.view(2, 1024, -1).transpose(1, 2)),
     }
 
 

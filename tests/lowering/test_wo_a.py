@@ -310,7 +310,7 @@ def test_tilelang_decode_split_fills_one_wave():
     stays within one wave; without the geometry, the per-bucket table."""
     from dsv41_passes.lowering.tilelang import wo_a as tw
 
-    assert tw.default_config(128, 2048, 8) == dict(tw._DECODE, BN=64, SPLIT=4)  # TP4: 32 x 4 CTAs on 132 SMs
+    assert tw.default_config(128, 2048, 8) == dict(tw._DECODE, BN=64, SPLIT=4, stages=8)  # TP4: 32 x 4 CTAs, 132 SMs
     assert tw.default_config(1, 2048, 8)["SPLIT"] == 4
     assert tw.default_config(128, 8192, 8)["SPLIT"] == 1  # TP1: 128 column tiles fill the SMs already
     assert tw.decode_config(100, 1024, 8, 132)["SPLIT"] == 8  # 16 x 8

@@ -66,15 +66,18 @@ CANDIDATES: dict[str, list[dict]] = {
         dict(BM=128, BN=256, BK=64, stages=s, threads=256, one_loop=True, cs_regs=True) for s in (3, 4)
     ]
     + [dict(_DECODE, SPLIT=s) for s in (2, 4, 8)]  # split-K (decode sizes)
-    + [dict(_DECODE, BN=64, SPLIT=s) for s in (1, 2, 4)]  # the same with 64-column tiles (``decode_config``)
+    # the same with 64-column tiles and 8 stages (``decode_config``; 24 KiB a stage)
+    + [dict(_DECODE, BN=64, SPLIT=s, stages=8) for s in (1, 2, 4)]
     # split-K whose parts the tile's thread block cluster sums through distributed shared memory (no partials in
     # global memory, no sum kernel; the same bits as the same split); clusters of 4 fit fewer at a time
     # (run138-probe_wo_a_decode-cluster.log: 64-column tiles in 4 parts 16.9 us against 11.1 at M = 128)
     + [dict(_DECODE, BN=64, SPLIT=2, cluster=True), dict(_DECODE, SPLIT=4, cluster=True)]
     # the decode default's split (64-column tiles in 4 parts at TP4, 128 x 128 in 8) with the sum kernel launched by
-    # programmatic dependent launch (``pdl``: its grid may start while the GEMM finishes; the same bits). Not
-    # measured yet (written in the seventeenth session after its device time was spent): left to the tuner
-    + [dict(_DECODE, BN=64, SPLIT=4, pdl=True), dict(_DECODE, SPLIT=8, pdl=True)]
+    # programmatic dependent launch (``pdl``: its grid may start while the GEMM finishes; the same bits, GPU test
+    # passed in run 159). Within 1-2% (us, TP4, medians of 6 interleaved rounds): 10.9 against 11.1 at M = 128
+    # (run 160), 10.9 against 11.0 with 8 stages (run 162), 15.5 against 15.7 at 256 (64-column tiles in 2 parts,
+    # run 160): left to the tuner
+    + [dict(_DECODE, BN=64, SPLIT=4, stages=8, pdl=True), dict(_DECODE, SPLIT=8, pdl=True)]
     # the tile leaves through shared memory (TMA store); 128 x 128 x 3 stages with or without it measured
     # 2.39-2.51 ms at 65536 against 1.73 for this one (run26-quick_check-wo_a.log) and were dropped
     + [dict(BM=128, BN=256, BK=64, stages=3, threads=256, one_loop=True, cs_regs=True, epi_smem=True)]
@@ -174,12 +177,15 @@ def decode_config(m: int, n: int, hpg: int, sms: int) -> dict:
     """M <= 128: 64-column tiles, K split over whole heads into the most parts (a power of two, at most 8) that
     keep the grid within one wave of ``sms`` CTAs. run103-probe_wo_a_decode-tp4.log / -tp1.log (us, medians of
     6 interleaved rounds) at M = 128: TP4 (N 2048, 8 heads a group) 11.0 with 4 parts against 11.8 for the 128 x
-    128 tiles in 8 parts (cuBLAS 8.9); TP1 (N 8192) 29.8 with 1 part against 51.2 (cuBLAS 22.8)."""
+    128 tiles in 8 parts (cuBLAS 8.9); TP1 (N 8192) 29.8 with 1 part against 51.2 (cuBLAS 22.8). 8 stages instead of
+    4 (192 of the 227 KiB of shared memory; runs 162-163, medians of 6 and 8 interleaved rounds): TP1 25.1 and 24.6
+    against 30.1 and 29.6 (the one-part kernel streams all of K, 64 chunks, and 4 stages left it latency-bound:
+    DRAM 38% busy at TP4 under Nsight Compute, run 161); TP4 11.0 against 11.1 at 128, 19.9 against 20.0 at 256."""
     tiles = -(-n // 64) * -(-m // 128)  # (a narrower N still takes one column tile)
     parts = 1
     while parts < 8 and hpg % (2 * parts) == 0 and tiles * 2 * parts <= sms:
         parts *= 2
-    return dict(_DECODE, BN=64, SPLIT=parts)
+    return dict(_DECODE, BN=64, SPLIT=parts, stages=8)
 
 
 def default_config(m: int, n: int | None = None, hpg: int | None = None) -> dict:
