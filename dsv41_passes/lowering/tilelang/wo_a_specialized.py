@@ -188,10 +188,6 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
     ws_shape, fl_shape = workspace_shapes(ctas, BM, BN, sk)
     partners = stream_k_partners(total)
 
-    @T.macro
-    def release(empty, x):  # the consumers are done with stage x
-        T.mbarrier_arrive(empty[x])
-
     def ws_index(i, j):
         """Where element (i, j) of a partial sits in ``WS[cta]`` (a bijection of the BM x BN tile): thread-major
         in 16-byte pieces, for a wgmma accumulator's layout (thread t of the consumers holds rows i with
@@ -260,7 +256,6 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
             tx = T.get_thread_binding()
             tiles = col_tiles * T.ceildiv(M, BM)
             rounds, dp, base, span, i0, i1 = phase(bid, tiles)
-
             if tx < 128:
                 T.set_max_nreg(PRODUCER_REGS, 0)
                 if tx < 32:
@@ -343,14 +338,14 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
                                          policy=T.GemmWarpPolicy.FullRow)
                         if wait0:
                             T.wait_wgmma(0)
-                            release(empty, st)
+                            T.mbarrier_arrive(empty[st])
                         else:
                             T.wait_wgmma(1)  # the previous chunk's wgmma is done: its stage can be refilled
                             if jc > 0:
-                                release(empty, (u + stages - 1) % stages)
+                                T.mbarrier_arrive(empty[(u + stages - 1) % stages])
                     T.wait_wgmma(0)
                     if not wait0 and persistent:  # the tile's last stage (a non-persistent CTA just exits)
-                        release(empty, (ub + hi - 1) % stages)
+                        T.mbarrier_arrive(empty[(ub + hi - 1) % stages])
                     if sk:
                         if lo > 0:  # a cut tile's later part (a first shared-out item): its partial, for the head
                             for i, j in T.Parallel(BM, BN):
@@ -369,8 +364,8 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
                                     for i, j in T.Parallel(BM, BN):
                                         x = ws_index(i, j)
                                         acc[i, j] = acc[i, j] + WS[bid + 1 + q, x // BN, x % BN]
-                    if wg_store:
-                        if lo == 0:  # the whole tile is in acc; each warpgroup stores its rows
+                    if lo == 0:  # the whole tile is in acc
+                        if wg_store:  # each warpgroup stores its rows
                             wg = c // 128
                             r0 = by * BM + wg * 64  # this warpgroup's first row
                             for h in z_parts:
@@ -382,8 +377,7 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
                                 T.sync_threads(2 + wg, 128)
                                 T.tma_copy(z_s[wg, :, :], Z[r0:r0 + 64, bx * BN + h * ZC:bx * BN + (h + 1) * ZC],
                                            leader_scope_threads=128)
-                    else:
-                        if lo == 0:  # the whole tile is in acc
+                        else:
                             for h in z_parts:
                                 if persistent or h > 0:
                                     T.sync_threads(1, consumers)  # the last TMA store has read z_s
