@@ -87,12 +87,13 @@ def probe(m: int, tp: int, rounds: int, stream_k: bool = False, store: bool = Fa
         if default.get("specialized"):
             variants += [("default, no stream_k", dict(default, stream_k=0), rd),
                          ("default, stream_k any wave", dict(default, stream_k=True), rd)]
-    elif m > 1024:
+    elif m > 1024 and not decode:
         variants += [("specialized " + _name(c), c, rd) for c in SPECIALIZED]
         variants += [("no rope, default", default, 0)]
         variants += [("no rope, specialized " + _name(c), c, 0) for c in NO_ROPE]
     else:
-        variants += [(_name(c), c, rd) for c in (dict(tw._DECODE, **d_) for d_ in (decode or DECODE))]
+        variants += [(_name(c), c, rd) for c in (d_ if d_.get("specialized") else dict(tw._DECODE, **d_)
+                                                 for d_ in (decode or DECODE))]
     fns, notes = {}, {}
     for name, cfg, rdim in variants:
         c_, s_ = (cos, sin) if rdim else (None, None)
@@ -112,6 +113,11 @@ def probe(m: int, tp: int, rounds: int, stream_k: bool = False, store: bool = Fa
         print(name, notes[name], flush=True)
         fns[name] = run
         out = None
+    if m <= 16:  # the provider's choice at M <= 16 outside batch-invariant mode
+        from dsv41_passes.lowering.triton import wo_a as trk
+
+        fns["Triton split-K"] = lambda: trk.wo_a(o, w, cos, sin, rd, batch_invariant=False)
+        notes["Triton split-K"] = (f"same bits {_bits(fns['Triton split-K'](), base[rd])}", "")
     fns["rope_tails alone (Triton)"] = lambda: rope_tails(o, cos, sin, rd, 64)
     notes["rope_tails alone (Triton)"] = ("", "")
     og = o.view(m, g, -1).transpose(0, 1).contiguous()
@@ -135,8 +141,8 @@ def main() -> None:
     ap.add_argument("--store", action="store_true",
                     help="the register-A kernel, the rope pass and the tile stored by each warpgroup only")
     ap.add_argument("--decode", type=json.loads, metavar="JSON",
-                    help="at M <= 1024: these one-loop configs (a JSON list of overrides of wo_a._DECODE) instead of "
-                         "DECODE")
+                    help="at M <= 1024: these configs instead of DECODE (a JSON list: overrides of wo_a._DECODE, or "
+                         "whole specialized configs)")
     args = ap.parse_args()
     import dsv41_passes  # noqa: F401  (registers the ops)
 

@@ -321,6 +321,33 @@ def test_tilelang_decode_split_fills_one_wave():
     assert tw.default_config(128) == dict(tw._DECODE, SPLIT=8)
 
 
+def test_tilelang_mid_config_by_tiles():
+    """128 < M < 2048 with the geometry: the register-A kernel with the widest tile whose grid reaches half a wave,
+    else the one-loop kernel split into the most parts that stay within one wave."""
+    from dsv41_passes.lowering.tilelang import wo_a as tw
+
+    regs256 = dict(tw.SPECIALIZED_REGISTERS_CONFIG, stream_k=tw.STREAM_K_SHARE)
+    # TP4: N 2048, 8 heads a group
+    for m in (129, 256):  # 64-column tiles: 64 of them, under half a wave
+        assert tw.mid_config(m, 2048, 8, 132) == dict(tw._DECODE, SPLIT=4), m
+    assert tw.mid_config(384, 2048, 8, 132) == tw.mid_config(512, 2048, 8, 132) == tw.REGISTERS_64  # 96 / 128 tiles
+    assert tw.mid_config(1024, 2048, 8, 132) == tw.REGISTERS_128  # 16 x 8 tiles
+    assert tw.mid_config(2047, 2048, 8, 132) == regs256 == tw.default_config(2048, 2048, 8)  # 8 x 16 tiles
+    # TP1: N 8192
+    assert tw.mid_config(129, 8192, 8, 132) == tw.mid_config(256, 8192, 8, 132) == tw.REGISTERS_128  # 64 x 2 tiles
+    assert tw.mid_config(512, 8192, 8, 132) == regs256  # 32 x 4 tiles
+    assert tw.mid_config(512, 8192, 8, 1024) == tw.REGISTERS_64  # a larger GPU
+    # the split: the most parts that keep 128 x 128 tiles within one wave, no more than the heads
+    assert tw.split_config(256, 2048, 8, 132) == dict(tw._DECODE, SPLIT=4)  # 16 x 2 tiles
+    assert tw.split_config(512, 2048, 8, 132) == dict(tw._DECODE, SPLIT=2)
+    assert tw.split_config(256, 8192, 8, 132) == tw._DECODE
+    assert tw.split_config(256, 2048, 2, 132) == dict(tw._DECODE, SPLIT=2)
+    # with this device's SMs; without the geometry, the per-bucket table
+    assert tw.default_config(1000, 2048, 8) == tw.mid_config(1000, 2048, 8, tw.sm_count())
+    assert tw.default_config(2047) == tw.BATCH_INVARIANT_CONFIG
+    assert tw.default_config(1025, 8192, 8) != tw.default_config(1025)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="tilelang is not installed")
 @pytest.mark.parametrize("share", [1.0, 0.5])
 @pytest.mark.parametrize("tiles", [1, 100, 128, 131, 132, 133, 165, 166, 200, 256, 264, 1000, 1024, 4096])
@@ -497,6 +524,9 @@ out["specialized_registers_rd24"] = tw.lower_source(g, r, hpg, d, 24, tw.launch_
 out["specialized_one_pass"] = tw.lower_source(g, r, hpg, d, rd, dict(cons, persistent=False))
 regs = max((c for c in one_loop if c.get("rope_regs")), key=lambda c: (c["BM"] * c["BN"], c["stages"]))
 out["one_loop_rope_regs"] = tw.compile_kernel(g, r, hpg, d, rd, regs).get_kernel_source()  # nvcc, sm_90a
+for m in (512, 1024):  # the defaults at TP4 M = 512 and 1024: the register-A kernel, 64 / 128 columns, a CTA a tile
+    out[f"mid_{m}"] = tw.lower_source(g, r, hpg, d, rd, tw.launch_config(tw.default_config(m, g * r, hpg), hpg * g, d,
+                                                                         r, rd))
 clu = [c for c in one_loop if c.get("cluster") and c["BN"] == 64][0]  # split-K summed by the cluster
 out["decode_cluster"] = tw.compile_kernel(g, r, hpg, d, rd, tw.launch_config(clu, hpg * g, d, r, rd)
                                           ).get_kernel_source()  # nvcc, sm_90a
@@ -571,6 +601,10 @@ def test_tilelang_compiles_for_sm90a(tmp_path):
         head = src[src.index("(x1 * c0) - (x0 * s0)"):src.index("wgmma_ss")]
         assert "fence_proxy_async" in head and "__sync_thread_partial(((((int)threadIdx.x) >> 7) + 1), 128)" in head
     assert "/ 132)" in sources["specialized_consumers"] and "/ 132)" not in sources["specialized_one_pass"]
+    # 128 < M < 2048: the register-A kernel with 64 / 128-column tiles, one CTA a tile (not persistent)
+    for m, bn in ((512, 64), (1024, 128)):
+        src = sources[f"mid_{m}"]
+        assert f"64, {bn}, 16, false" in src and "wgmma_rs" in src and "tma_store" in src and "/ 132)" not in src
     # rope chunk de-rotated into registers: cos / +-sin loaded once a tile before the K loop, the chunk read from
     # the stage into the A fragment of a register-A wgmma; no shared-memory write, fence or barrier in the loop
     # until the tile's store
@@ -626,8 +660,9 @@ def test_tilelang_compiles_for_sm90a(tmp_path):
 
 # ------------------------------------------------------------------ GPU
 TP_SHAPES = {"tp4": (16, 512, 2, 1024, 64), "tp1": (64, 512, 8, 1024, 64)}  # (H, D, G, R, rope_dim)
-# every default bucket: split-K over 64-column tiles, 8 / 4 / 2 parts of 128 x 128, 128 x 128, 128 x 256, the
-# written-out pipeline with the rope chunks de-rotated into registers (2048-32768) and with the rope pass (above)
+# every default: split-K over 64-column tiles, 4 parts of 128 x 128 (TP4, 130), the written-out pipeline with the rope
+# chunks de-rotated into registers one CTA a tile (64 / 128 columns: TP4 300 and 1000, TP1 130) and persistent
+# (256 columns: TP1 300 and 1000, 2048-32768), and with the rope pass (above)
 GPU_M = (1, 7, 130, 300, 1000, 2048, 4096, 4097)
 
 

@@ -48,6 +48,9 @@ from .wo_a_configs import (  # noqa: F401
     CANDIDATES,
     DECODE_MAX_M,
     DEFAULTS,
+    MID_MAX_M,
+    REGISTERS_128,
+    REGISTERS_64,
     REGISTERS_MAX_N,
     SPECIALIZED_CONFIG,
     SPECIALIZED_CONSUMERS_CONFIG,
@@ -56,7 +59,9 @@ from .wo_a_configs import (  # noqa: F401
     TACTIC_OP,
     decode_config,
     default_config,
+    mid_config,
     sm_count,
+    split_config,
 )
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}

@@ -116,13 +116,28 @@ REGISTERS_MAX_N = 2048
 # within 1% either way at 36864, 16384, 4096 and TP1; slower with the rope pass's one 256-column store)
 CANDIDATES[TACTIC_OP] += [dict(SPECIALIZED_CONFIG, stream_k=True), dict(SPECIALIZED_REGISTERS_CONFIG, stream_k=True),
                           dict(SPECIALIZED_REGISTERS_CONFIG, stream_k=STREAM_K_SHARE, wg_store=True)]
+# 128 < M < 2048 with the geometry known (outside batch-invariant mode): the register-A kernel, one CTA a tile, with
+# the widest tile (256, 128 or 64 columns, 4, 6 or 8 stages of 192 KiB in all) whose grid reaches half a wave; below
+# that the split-K one-loop kernel (``split_config``). run168-probe_wo_a_decode-split_config.log (us, medians of 6
+# interleaved rounds, against the one-loop kernel in 1-4 parts and cuBLAS bmm): TP4 M = 512 (64 columns, 128 tiles)
+# 18.0 against 22.6 (2 parts; cuBLAS 14.4), M = 1024 (128 columns) 27.1 against 34.3 (1 part; cuBLAS 24.9); TP1 M =
+# 256 (128 columns) 34.8 against 38.8 (1 part; cuBLAS 27.9); at TP4 M = 256 64 columns (64 tiles) took 17.3 against
+# 15.9 in 4 parts.
+REGISTERS_64 = dict(BM=128, BN=64, BK=64, stages=8, specialized=True, rope="registers")
+REGISTERS_128 = dict(BM=128, BN=128, BK=64, stages=6, specialized=True, rope="registers", z_cols=64)
+CANDIDATES[TACTIC_OP] += [REGISTERS_64, REGISTERS_128]
+MID_MAX_M = 2047
+
 # Untuned defaults by token count (upper M, config), from benchmarks/results/run27-quick_check-wo_a-small.log
 # and run26 (H200): split-K with 128 x 128 tiles for decode sizes (11.8 / 15.9 / 22.5 us at M = 128 / 256 /
 # 512 where the 64 x 64 one-loop kernel took 27.4 / 28.1 / 55.3), 128 x 128 up to 1024 (31.4 vs 112 us),
 # 128 x 256 with the tile stored through shared memory up to 2047 (0.0997 vs 0.106 ms at 4096, 1.73 vs 1.80
 # at 65536), SPECIALIZED_REGISTERS_CONFIG up to 32768 and above for N <= REGISTERS_MAX_N, otherwise SPECIALIZED_CONFIG
-# (all with stream-K). M <= 128 with the geometry known: ``decode_config``. M <= 16 (outside batch-invariant mode)
-# runs the Triton split-K kernel (``triton.wo_a``).
+# (all with stream-K). With the geometry known (every call of ``wo_a``): ``decode_config`` at M <= 128 and
+# ``mid_config`` up to 2047 instead of the table; against it, at TP4 / TP1 (run170-bench_wo_a-mid.log and
+# run169-probe_wo_a_mid_config.log, us): M = 512 17.8 / 53.6 against 22.8 / 113.2, M = 1024 26.5 / 102.4 against
+# 32.6 / 157.4, M = 2047 48.3 / 206.8 against 55.1 / 243.8. M <= 16 (outside batch-invariant mode) runs the Triton
+# split-K kernel (``triton.wo_a``).
 DEFAULTS: list[tuple[int, dict]] = [
     (128, dict(_DECODE, SPLIT=8)),
     (256, dict(_DECODE, SPLIT=4)),
@@ -142,19 +157,42 @@ def decode_config(m: int, n: int, hpg: int, sms: int) -> dict:
     4 (192 of the 227 KiB of shared memory; runs 162-163, medians of 6 and 8 interleaved rounds): TP1 25.1 and 24.6
     against 30.1 and 29.6 (the one-part kernel streams all of K, 64 chunks, and 4 stages left it latency-bound:
     DRAM 38% busy at TP4 under Nsight Compute, run 161); TP4 11.0 against 11.1 at 128, 19.9 against 20.0 at 256."""
-    tiles = -(-n // 64) * -(-m // 128)  # (a narrower N still takes one column tile)
+    return dict(_DECODE, BN=64, SPLIT=one_wave_parts(-(-n // 64) * -(-m // 128), hpg, sms), stages=8)
+
+
+def mid_config(m: int, n: int, hpg: int, sms: int) -> dict:
+    """128 < M <= MID_MAX_M: the register-A kernel with the widest tile whose grid reaches half a wave of ``sms``
+    CTAs (256 columns as above M = 2047: persistent, with stream-K), else ``split_config``."""
+    for bn, cfg in ((256, dict(SPECIALIZED_REGISTERS_CONFIG, stream_k=STREAM_K_SHARE)), (128, REGISTERS_128),
+                    (64, REGISTERS_64)):
+        if 2 * -(-n // bn) * -(-m // 128) >= sms:
+            return dict(cfg)
+    return split_config(m, n, hpg, sms)
+
+
+def one_wave_parts(tiles: int, hpg: int, sms: int) -> int:
+    """The most parts (a power of two, at most 8, whole heads each) that K splits into with ``tiles`` tiles in
+    one wave of ``sms`` CTAs (a narrower N still takes one column tile)."""
     parts = 1
     while parts < 8 and hpg % (2 * parts) == 0 and tiles * 2 * parts <= sms:
         parts *= 2
-    return dict(_DECODE, BN=64, SPLIT=parts, stages=8)
+    return parts
+
+
+def split_config(m: int, n: int, hpg: int, sms: int) -> dict:
+    """The 128 x 128 one-loop kernel, K split by ``one_wave_parts``. At TP4 (N 2048) this is
+    the ``DEFAULTS`` table's 4 / 2 / 1 parts up to 256 / 512 / 1024; at TP1 (N 8192, 128 tiles at M = 256) one part,
+    where the table's 4 parts took 63.8 us against 36.4 at M = 256 (run166-probe_wo_a_decode-specialized.log)."""
+    parts = one_wave_parts(-(-n // 128) * -(-m // 128), hpg, sms)
+    return dict(_DECODE, SPLIT=parts) if parts > 1 else dict(_DECODE)
 
 
 def default_config(m: int, n: int | None = None, hpg: int | None = None) -> dict:
     """Untuned choice by token count (see ``DEFAULTS``); with the geometry (``n = G*R`` output columns, ``hpg``
-    heads a group) given, ``decode_config`` at M <= 128, and above M = 32768 the register-A kernel for ``n`` up to
-    ``REGISTERS_MAX_N``."""
-    if m <= DECODE_MAX_M and n is not None and hpg is not None:
-        return decode_config(m, n, hpg, sm_count())
+    heads a group) given, ``decode_config`` at M <= 128, ``mid_config`` up to 2047, and above M = 32768 the
+    register-A kernel for ``n`` up to ``REGISTERS_MAX_N``."""
+    if m <= MID_MAX_M and n is not None and hpg is not None:
+        return (decode_config if m <= DECODE_MAX_M else mid_config)(m, n, hpg, sm_count())
     for upper, cfg in DEFAULTS:
         if m <= upper:
             return dict(cfg)
