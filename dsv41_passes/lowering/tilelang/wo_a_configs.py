@@ -134,9 +134,9 @@ MID_MAX_M = 2047
 # 128 x 256 with the tile stored through shared memory up to 2047 (0.0997 vs 0.106 ms at 4096, 1.73 vs 1.80
 # at 65536), SPECIALIZED_REGISTERS_CONFIG up to 32768 and above for N <= REGISTERS_MAX_N, otherwise SPECIALIZED_CONFIG
 # (all with stream-K). With the geometry known (every call of ``wo_a``): ``decode_config`` at M <= 128 and
-# ``mid_config`` up to 2047 instead of the table; against it, at TP4 / TP1 (run170-bench_wo_a-mid.log and
-# run169-probe_wo_a_mid_config.log, us): M = 512 17.8 / 53.6 against 22.8 / 113.2, M = 1024 26.5 / 102.4 against
-# 32.6 / 157.4, M = 2047 48.3 / 206.8 against 55.1 / 243.8. M <= 16 (outside batch-invariant mode) runs the Triton
+# ``mid_config`` up to 2047 instead of the table; against it, at TP4 / TP1 (run169-probe_wo_a_mid_config.log, us):
+# M = 512 17.8 / 56.0 against 22.8 / 113.2, M = 1024 26.3 / 105.6 against 32.6 / 157.4, M = 2047 48.1 / 211.7
+# against 55.1 / 243.8. M <= 16 (outside batch-invariant mode) runs the Triton
 # split-K kernel (``triton.wo_a``).
 DEFAULTS: list[tuple[int, dict]] = [
     (128, dict(_DECODE, SPLIT=8)),
