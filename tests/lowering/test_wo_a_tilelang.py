@@ -59,6 +59,22 @@ def test_tilelang_launch_config():
     assert tw.launch_config(regs, 16, 512, 1024, 24)["rope"] == "registers"
     assert tw.launch_config(regs, 16, 512, 1024, 128)["rope"] == "tails"
     assert not tw.derotates_beforehand(tw.launch_config(regs, 16, 512, 1024, 64), 64)
+    # a rank below the tile: BN clipped to it, and the tile's store buffer with it (one part)
+    assert tw.launch_config(regs, 16, 512, 64, 64) == dict(regs, BN=64, BK=64, z_cols=64)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="tilelang is not installed")
+@pytest.mark.parametrize("r", [32, 64])
+def test_tilelang_defaults_build_for_narrow_ranks(r):
+    """The tiny model's geometry (2 heads of 64 a group, rope 16) with ranks under the tiles: every default builds,
+    decode to prefill sizes, 2 or 64 groups (the store buffer once kept its 128 or 64 columns and the builder refused
+    it)."""
+    from dsv41_passes.lowering.tilelang import wo_a as tw
+
+    for m, g in ((1, 2), (300, 64), (1024, 64), (4096, 2), (65536, 2)):
+        cfg = tw.launch_config(tw.default_config(m, g * r, 2), 2 * g, 64, r, 16)
+        assert cfg["BN"] <= r and cfg.get("z_cols", 0) <= cfg["BN"], (m, g, cfg)
+        assert "wgmma" in tw.lower_source(g, r, 2, 64, 16, cfg), (m, g, cfg)
 
 
 def test_tilelang_decode_split_fills_one_wave():

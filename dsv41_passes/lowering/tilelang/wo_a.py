@@ -398,9 +398,10 @@ def derotates_beforehand(cfg: dict, rope_dim: int) -> bool:
 
 
 def launch_config(config: dict, h: int, d: int, r: int, rope_dim: int) -> dict:
-    """``config`` with BN / BK clipped to the shape. A specialized config whose consumers cannot de-rotate the
-    rope pairs (``rope_reason``) reads them from ``rope_tails``; one that reads them from there becomes the
-    one-loop kernel with the same bits (``BATCH_INVARIANT_CONFIG``) where ``rope_tails`` cannot tile them."""
+    """``config`` with BN / BK clipped to the shape (and ``z_cols``, the width of the tile's store buffer, to BN). A
+    specialized config whose consumers cannot de-rotate the rope pairs (``rope_reason``) reads them from
+    ``rope_tails``; one that reads them from there becomes the one-loop kernel with the same bits
+    (``BATCH_INVARIANT_CONFIG``) where ``rope_tails`` cannot tile them."""
     from ..triton.wo_a import rope_tails_tile  # noqa: PLC0415
     from .wo_a_specialized import rope_reason  # noqa: PLC0415
 
@@ -412,6 +413,8 @@ def launch_config(config: dict, h: int, d: int, r: int, rope_dim: int) -> dict:
     if derotates_beforehand(config, rope_dim) and not rope_tails_tile(h, bk):
         config = BATCH_INVARIANT_CONFIG
         bn, bk = _tiles(config, d, r, rope_dim)
+    if config.get("z_cols", 0) > bn:  # a narrower tile leaves in one part
+        config = dict(config, z_cols=bn)
     return dict(config, BN=bn, BK=bk)
 
 
