@@ -136,8 +136,7 @@ MID_MAX_M = 2047
 # (all with stream-K). With the geometry known (every call of ``wo_a``): ``decode_config`` at M <= 128 and
 # ``mid_config`` up to 2047 instead of the table; against it, at TP4 / TP1 (run169-probe_wo_a_mid_config.log, us):
 # M = 512 17.8 / 56.0 against 22.8 / 113.2, M = 1024 26.3 / 105.6 against 32.6 / 157.4, M = 2047 48.1 / 211.7
-# against 55.1 / 243.8. M <= 16 (outside batch-invariant mode) runs the Triton
-# split-K kernel (``triton.wo_a``).
+# against 55.1 / 243.8. M <= 16 (outside batch-invariant mode) runs the Triton split-K kernel (``triton.wo_a``).
 DEFAULTS: list[tuple[int, dict]] = [
     (128, dict(_DECODE, SPLIT=8)),
     (256, dict(_DECODE, SPLIT=4)),
@@ -180,9 +179,9 @@ def one_wave_parts(tiles: int, hpg: int, sms: int) -> int:
 
 
 def split_config(m: int, n: int, hpg: int, sms: int) -> dict:
-    """The 128 x 128 one-loop kernel, K split by ``one_wave_parts``. At TP4 (N 2048) this is
-    the ``DEFAULTS`` table's 4 / 2 / 1 parts up to 256 / 512 / 1024; at TP1 (N 8192, 128 tiles at M = 256) one part,
-    where the table's 4 parts took 63.8 us against 36.4 at M = 256 (run166-probe_wo_a_decode-specialized.log)."""
+    """The 128 x 128 one-loop kernel, K split by ``one_wave_parts``. At TP4 (N 2048) this is the ``DEFAULTS``
+    table's 4 / 2 / 1 parts up to 256 / 512 / 1024; at TP1 (N 8192, 128 tiles at M = 256) one part, where the
+    table's 4 parts took 63.8 us against 36.4 at M = 256 (run166-probe_wo_a_decode-specialized.log)."""
     parts = one_wave_parts(-(-n // 128) * -(-m // 128), hpg, sms)
     return dict(_DECODE, SPLIT=parts) if parts > 1 else dict(_DECODE)
 
