@@ -73,7 +73,7 @@ def probe(m: int, tp: int, rounds: int, stream_k: bool = False, store: bool = Fa
     o, w, cos, sin, (h, d, g, r, rd) = wo_a_probe_inputs(m, tp)
     ref = torch.ops.dsv41.wo_a(o, w, cos, sin, rd, "reference", 0).float()
     flops = 2 * m * g * r * (h // g) * d
-    default = tw.default_config(m, g * r, h // g)
+    default = tw.untuned_config(m, g * r, h // g)
     base = {rd: tw.wo_a(o, w, cos, sin, rd, batch_invariant=False, config=default),
             0: tw.wo_a(o, w, None, None, 0, batch_invariant=False, config=default)}
     variants = [("default", default, rd)]

@@ -196,7 +196,7 @@ def wo_a(m: int) -> None:
     flops = 2 * m * g_ * r * (h // g_) * d
     big = dict(BM=128, BN=256, BK=64, stages=4, threads=256, one_loop=True)
     # (name, provider module, config, rope dims)
-    variants = [("tilelang default", tw, tw.default_config(m, g_ * r, h // g_), rd),
+    variants = [("tilelang default", tw, tw.untuned_config(m, g_ * r, h // g_), rd),
                 ("triton default", tk, tk.default_config(m), rd)]
     if m > 1024:
         variants += [("tl " + ",".join(f"{k}={v}" for k, v in c.items() if k not in ("BK", "one_loop", "threads")),

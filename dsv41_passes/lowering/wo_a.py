@@ -185,5 +185,5 @@ def tunables(config, device=None) -> list:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if tilelang_available(torch.empty(0, device=dev)) is None:
         out.append(Tunable(tl_wo_a.TACTIC_OP, key, make_inputs, run_tilelang, tl_wo_a.CANDIDATES[tl_wo_a.TACTIC_OP],
-                           tl_wo_a.BATCH_INVARIANT_CONFIG, lambda m: tl_wo_a.default_config(m, g * r, k // d)))
+                           tl_wo_a.BATCH_INVARIANT_CONFIG, lambda m: tl_wo_a.untuned_config(m, g * r, k // d)))
     return out

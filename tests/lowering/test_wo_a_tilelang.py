@@ -120,6 +120,23 @@ def test_tilelang_mid_config_by_tiles():
     assert tw.default_config(1025, 8192, 8) != tw.default_config(1025)
 
 
+def test_tilelang_untuned_config_is_its_buckets():
+    """Without a tuned tactic a call at any M runs the config of its tuning bucket, which warm-up compiled: the
+    tile-count rules never pick a config within a bucket that its top M does not (TP4, TP1, the tiny model, an odd
+    geometry, a smaller GPU)."""
+    from dsv41_passes.lowering.tilelang import wo_a as tw
+    from dsv41_passes.tuning import bucket, buckets
+
+    ms = list(range(1, 2100)) + [4095, 4097, 30000, 32768, 32769, 65535, 65536, 70000]
+    for n, hpg in ((2048, 8), (8192, 8), (64, 2), (1536, 6)):
+        warm = [tw.untuned_config(b, n, hpg) for b in buckets()]
+        for m in ms:
+            cfg = tw.untuned_config(m, n, hpg)
+            assert cfg == tw.untuned_config(bucket(m), n, hpg) and cfg in warm, (n, hpg, m)
+    # the bucket's top decides: TP4 M = 257 (three row blocks, 96 tiles of 64 columns) runs M = 512's config
+    assert tw.untuned_config(257, 2048, 8) == tw.default_config(512, 2048, 8) == tw.REGISTERS_64
+
+
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="tilelang is not installed")
 @pytest.mark.parametrize("share", [1.0, 0.5])
 @pytest.mark.parametrize("tiles", [1, 100, 128, 131, 132, 133, 165, 166, 200, 256, 264, 1000, 1024, 4096])

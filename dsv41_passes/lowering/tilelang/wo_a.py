@@ -62,6 +62,7 @@ from .wo_a_configs import (  # noqa: F401
     mid_config,
     sm_count,
     split_config,
+    untuned_config,
 )
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
@@ -452,7 +453,7 @@ def wo_a(
     if m == 0:
         return z
     if config is None:
-        default = BATCH_INVARIANT_CONFIG if batch_invariant else default_config(m, n, h // g)
+        default = BATCH_INVARIANT_CONFIG if batch_invariant else untuned_config(m, n, h // g)
         op, key = tactic_key(o, weight, rd)
         config = tactic(op, m, key, default, batch_invariant=batch_invariant)
     cfg = launch_config(config, h, d, r, rd)

@@ -200,6 +200,15 @@ def default_config(m: int, n: int | None = None, hpg: int | None = None) -> dict
     return dict(SPECIALIZED_CONFIG, stream_k=STREAM_K_SHARE)
 
 
+def untuned_config(m: int, n: int, hpg: int) -> dict:
+    """What a call at M runs without a tuned tactic: ``default_config`` at M's tuning bucket (the power of two
+    above it), so that every M runs a binary that warm-up (which compiles each bucket's) has built; the tile-count
+    rules of ``mid_config`` and ``split_config`` could otherwise change within a bucket."""
+    from ...tuning import bucket  # noqa: PLC0415
+
+    return default_config(bucket(m), n, hpg)
+
+
 def sm_count() -> int:
     """CTAs of a persistent kernel: the current device's SMs (an H200's 132 without a GPU)."""
     return _sms(torch.cuda.current_device()) if torch.cuda.is_available() else 132
