@@ -50,6 +50,7 @@ from .wo_a_configs import (  # noqa: F401
     DEFAULTS,
     MID_MAX_M,
     REGISTERS_128,
+    REGISTERS_256,
     REGISTERS_64,
     REGISTERS_MAX_N,
     SPECIALIZED_CONFIG,

@@ -125,6 +125,7 @@ CANDIDATES[TACTIC_OP] += [dict(SPECIALIZED_CONFIG, stream_k=True), dict(SPECIALI
 # 15.9 in 4 parts.
 REGISTERS_64 = dict(BM=128, BN=64, BK=64, stages=8, specialized=True, rope="registers")
 REGISTERS_128 = dict(BM=128, BN=128, BK=64, stages=6, specialized=True, rope="registers", z_cols=64)
+REGISTERS_256 = dict(SPECIALIZED_REGISTERS_CONFIG, stream_k=STREAM_K_SHARE)  # persistent: the default from 2048
 CANDIDATES[TACTIC_OP] += [REGISTERS_64, REGISTERS_128]
 MID_MAX_M = 2047
 
@@ -143,7 +144,7 @@ DEFAULTS: list[tuple[int, dict]] = [
     (512, dict(_DECODE, SPLIT=2)),
     (1024, _DECODE),
     (2047, BATCH_INVARIANT_CONFIG),
-    (32768, dict(SPECIALIZED_REGISTERS_CONFIG, stream_k=STREAM_K_SHARE)),
+    (32768, REGISTERS_256),
 ]
 DECODE_MAX_M = 128
 
@@ -156,22 +157,26 @@ def decode_config(m: int, n: int, hpg: int, sms: int) -> dict:
     4 (192 of the 227 KiB of shared memory; runs 162-163, medians of 6 and 8 interleaved rounds): TP1 25.1 and 24.6
     against 30.1 and 29.6 (the one-part kernel streams all of K, 64 chunks, and 4 stages left it latency-bound:
     DRAM 38% busy at TP4 under Nsight Compute, run 161); TP4 11.0 against 11.1 at 128, 19.9 against 20.0 at 256."""
-    return dict(_DECODE, BN=64, SPLIT=one_wave_parts(-(-n // 64) * -(-m // 128), hpg, sms), stages=8)
+    return dict(_DECODE, BN=64, SPLIT=one_wave_parts(tile_count(m, n, 64), hpg, sms), stages=8)
+
+
+def tile_count(m: int, n: int, bn: int) -> int:
+    """Tiles of 128 rows and ``bn`` columns over ``[m, n]`` (a narrower N still takes one column tile)."""
+    return -(-n // bn) * -(-m // 128)
 
 
 def mid_config(m: int, n: int, hpg: int, sms: int) -> dict:
     """128 < M <= MID_MAX_M: the register-A kernel with the widest tile whose grid reaches half a wave of ``sms``
-    CTAs (256 columns as above M = 2047: persistent, with stream-K), else ``split_config``."""
-    for bn, cfg in ((256, dict(SPECIALIZED_REGISTERS_CONFIG, stream_k=STREAM_K_SHARE)), (128, REGISTERS_128),
-                    (64, REGISTERS_64)):
-        if 2 * -(-n // bn) * -(-m // 128) >= sms:
+    CTAs (``REGISTERS_256`` as above M = 2047), else ``split_config``."""
+    for bn, cfg in ((256, REGISTERS_256), (128, REGISTERS_128), (64, REGISTERS_64)):
+        if 2 * tile_count(m, n, bn) >= sms:
             return dict(cfg)
     return split_config(m, n, hpg, sms)
 
 
 def one_wave_parts(tiles: int, hpg: int, sms: int) -> int:
     """The most parts (a power of two, at most 8, whole heads each) that K splits into with ``tiles`` tiles in
-    one wave of ``sms`` CTAs (a narrower N still takes one column tile)."""
+    one wave of ``sms`` CTAs."""
     parts = 1
     while parts < 8 and hpg % (2 * parts) == 0 and tiles * 2 * parts <= sms:
         parts *= 2
@@ -182,7 +187,7 @@ def split_config(m: int, n: int, hpg: int, sms: int) -> dict:
     """The 128 x 128 one-loop kernel, K split by ``one_wave_parts``. At TP4 (N 2048) this is the ``DEFAULTS``
     table's 4 / 2 / 1 parts up to 256 / 512 / 1024; at TP1 (N 8192, 128 tiles at M = 256) one part, where the
     table's 4 parts took 63.8 us against 36.4 at M = 256 (run166-probe_wo_a_decode-specialized.log)."""
-    parts = one_wave_parts(-(-n // 128) * -(-m // 128), hpg, sms)
+    parts = one_wave_parts(tile_count(m, n, 128), hpg, sms)
     return dict(_DECODE, SPLIT=parts) if parts > 1 else dict(_DECODE)
 
 
@@ -196,7 +201,7 @@ def default_config(m: int, n: int | None = None, hpg: int | None = None) -> dict
         if m <= upper:
             return dict(cfg)
     if n is not None and n <= REGISTERS_MAX_N:
-        return dict(SPECIALIZED_REGISTERS_CONFIG, stream_k=STREAM_K_SHARE)
+        return dict(REGISTERS_256)
     return dict(SPECIALIZED_CONFIG, stream_k=STREAM_K_SHARE)
 
 
