@@ -1,8 +1,9 @@
 """TileLang ``mhc_pre`` for prefill sizes (sm_90a): one persistent kernel, one read of the residual, the
 collapse + RMSNorm written to HBM once (``mhc_pre_kernel``), then the Triton finish kernel on its partials.
-It gives the Triton kernel's bits. The op runs it from ``lowering.mhc.TILELANG_PRE_MIN_M`` (2048) tokens up:
-with split roles and the vector work on two warpgroups (``wg1-split-v2``, the default since run 123) it measured
-5-16% faster than the Triton op from M = 2048 up on the H200, and slower at decode sizes (``docs/performance.md``).
+It gives the Triton kernel's bits. The op runs it from ``lowering.mhc.TILELANG_PRE_MIN_M`` (1536) tokens up:
+with split roles, the vector work on two warpgroups and the norm on three warps of the producer warpgroup
+(``wg1-split-v2-normwg3``, the default since run 174) it measured 13-22% faster than the Triton op from M = 1536 up
+on the H200, level at 1024 and slower at decode sizes (``docs/performance.md``).
 Here: the launch configs, the compiled-kernel cache, the input checks and the host wrappers.
 """
 
@@ -49,7 +50,7 @@ def _kernel(d: int, groups: int, eps: float, cfg: dict):
     """The compiled kernel of a config (``build``'s keyword arguments), once per process."""
     opts = dict(cfg)
     opts.setdefault("lag", LAG)
-    key = (d, groups, float(eps), tuple(sorted(opts.items())))
+    key = (d, groups, float(eps), tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in opts.items())))
     k = _KERNELS.get(key)
     if k is None:
         with _LOCK:
@@ -92,8 +93,14 @@ CONFIGS["wg1-split-v2-xhints"] = dict(CONFIGS["wg1-split-v2"], x_hints=True)
 # 1.462 / 0.3719 / 0.1005: the norm's work moved, not its cost (the lagged norm's x round trip through L2 stays).
 # Starting a block only once the next one is stored too (fewer polls) was slower: 1.461 / 0.3805 / 0.1086.
 CONFIGS["wg1-split-v2-normwg"] = dict(CONFIGS["wg1-split-v2"], norm_wg=True)
+# the same on warps 1-3 (24 rows a pass instead of 16): the default since run 174. Same bits; run174-probe_mhc.log
+# (timed in turn, medians of 8 rounds, ms at 65536 / 16384 / 4096 / 2048): 1.331 / 0.3441 / 0.0983 / 0.0507 against
+# 1.423 / 0.3618 / 0.1008 / 0.0580 for wg1-split-v2 (run 173: 1.351 / 0.3493 / 0.0988 against 1.486 / 0.3708 / 0.1010)
+CONFIGS["wg1-split-v2-normwg3"] = dict(CONFIGS["wg1-split-v2-normwg"], norm_warps=3)
+# Not kept (measured in runs 173-174, code not in the tree): the row's x loaded before its partials are polled, and
+# the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role): no faster, or slower.
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
-_ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2")
+_ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-normwg3")
 if _ENV_CONFIG not in CONFIGS:
     raise ValueError(f"DSV41_MHC_PRE_TILELANG_CONFIG={_ENV_CONFIG!r}: not one of {sorted(CONFIGS)}")
 DEFAULT_CONFIG = CONFIGS[_ENV_CONFIG]

@@ -44,7 +44,7 @@ Warpgroups (``mhc_pre.CONFIGS``; the measurements behind each step are in ``docs
   at M = 65536). With 384 threads the registers move to the consumers by ``setmaxnreg`` (24 / 240).
 * ``split_roles``: warpgroup 1 issues the 12 dots and sums the hi parts, warpgroup 2 the sums of squares, the
   collapse and the norm, with the pre weights loaded a block ahead (run 115: 1.47 ms).
-* ``vec_wgs=2`` (config ``wg1-split-v2``, the default since run 123): the second role on warpgroups 2 and 3, four
+* ``vec_wgs=2`` (config ``wg1-split-v2``, the default from run 123 to 173): the second role on warpgroups 2 and 3, four
   threads a row, each owning one run of 8 columns of a chunk (``run_col``), two warps a scheduler; the tree of the
   sums of squares pairs the same runs, so the bits are unchanged. 512 threads keep the launch's 128 registers
   (109 used, no spills). Run 123: 1.554 -> 1.443 ms at 65536; the profile then has L2 83% and DRAM 63% busy
@@ -58,7 +58,9 @@ Warpgroups (``mhc_pre.CONFIGS``; the measurements behind each step are in ``docs
   not the time (the kernel is not DRAM-bound at 57-63% busy).
 * ``norm_wg`` (config ``wg1-split-v2-normwg``): warps 2-3 of the producer warpgroup normalize each row block, handed
   over on an mbarrier ring, instead of the vector role a chunk a step; same bits, the same L2 bytes, 2% faster at
-  prefill sizes and 5% slower at 4096 (runs 135, 137): not the default.
+  prefill sizes and 5% slower at 4096 (runs 135, 137). On warps 1-3 (``norm_warps=3``, config
+  ``wg1-split-v2-normwg3``, the default since run 174) it is 2-9% faster than ``wg1-split-v2`` from M = 4096 up and
+  13% at 2048 (runs 173-174): two warps could not keep up with the block rate, three can.
 """
 
 # No ``from __future__ import annotations``: TileLang evaluates the prim_func annotations.
@@ -117,7 +119,7 @@ def _n24():
 # ----------------------------------------------------------------------------- kernel
 def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: int = 1, lag: int = LAG,
           mid_resident: bool = True, producer: bool = False, rings: int = 1, split_roles: bool = False,
-          vec_wgs: int = 1, x_hints: bool = False, norm_wg: bool = False):
+          vec_wgs: int = 1, x_hints: bool = False, norm_wg: bool = False, norm_warps: int = 2):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
@@ -134,7 +136,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     with an L2 evict-last policy (it is read back ``lag`` row blocks later) and the normalized one evict-first;
     ``norm_wg`` (with two vector warpgroups): warps 2 and 3 of the producer warpgroup, four threads a row, normalize
     each row block once its 16 slices have published their norm partials, instead of the vector role one chunk a
-    step ``lag`` blocks behind (mbarriers ``xdone`` / ``xfree``, a ring of ``lag + 1``, hand the blocks over).
+    step ``lag`` blocks behind (mbarriers ``xdone`` / ``xfree``, a ring of ``lag + 1``, hand the blocks over);
+    ``norm_warps`` 3: warps 1-3 do it, 24 rows a pass (warp 0 still issues the copies).
 
     Arguments: ``h [M, 4d]`` bf16, ``hi/mid/lo [16, 4, 24, d/16]`` bf16 (slice-major parts), ``pre_prev
     [M, 4]`` f32, ``w [d]`` f32 -> ``x [M, d]`` bf16 (normalized), ``ws [nrb*16*64, 24]``, ``ss``,
@@ -155,6 +158,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         raise ValueError("TileLang mhc_pre: two vector warpgroups need split roles")
     if norm_wg and (vec_wgs != 2 or x_hints):
         raise ValueError("TileLang mhc_pre: the normalizing warps need two vector warpgroups (and no x_hints)")
+    if norm_warps not in (2, 3):
+        raise ValueError(f"TileLang mhc_pre: the norm runs on warps 2-3 or 1-3 of the producer, got {norm_warps} warps")
+    nt = 32 * norm_warps  # the normalizing threads (``norm_wg``): the producer warpgroup's last ones
     nring = lag + 1  # row blocks the vector role may run ahead of the normalizing warps (``norm_wg``)
     consumers = 128 * wgs * rings * (1 + vec_wgs if split_roles else 1)
     threads = consumers + (128 if producer else 0)
@@ -290,19 +296,20 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
 
     @T.macro
     def normalize_blocks(x, nw, xss, s, g, nloc, lt, xdone, xfree, xr, wr, pv, red):
-        """``norm_wg`` (thread ``lt`` of the 64): each of the CTA's row blocks in order, once the vector role has
+        """``norm_wg`` (thread ``lt`` of the ``nt``): each of the CTA's row blocks in order, once the vector role has
         stored it (``xdone``); four threads a row (8 columns of each chunk, so a warp's access covers 8 rows x 64
-        contiguous bytes), 16 rows a pass, a row's whole slice loaded at once once its 16 slices have published
+        contiguous bytes), ``nt / 4`` rows a pass, a row's whole slice loaded at once once its 16 slices have published
         their norm partials; then the block's ring slot is free (``xfree``)."""
         q = lt % 4
         for jj in T.serial(nloc):
             rbn = g + jj * groups
             T.mbarrier_wait_parity(xdone[jj % nring], (jj // nring) % 2)
-            for p in T.serial(BM // 16):
-                r = p * 16 + lt // 4
+            for p in T.serial(T.ceildiv(BM, nt // 4)):
+                r = p * (nt // 4) + lt // 4
                 row = rbn * bm + r
-                row_rstd(xss, rbn, r, pv, red)
-                if row < m:
+                if r < BM:
+                    row_rstd(xss, rbn, r, pv, red)
+                if T.And(r < BM, row < m):
                     for c2 in T.unroll(nc):
                         for e in T.vectorized(8):
                             xr[c2 * 8 + e] = x[row, s * ds + c2 * bk + q * 8 + e]
@@ -511,7 +518,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                 empty = T.alloc_barrier([consumers // rings] * (stages * rings))
             if norm_wg:  # a row block's x stored by the vector role / normalized by warps 2-3
                 xdone = T.alloc_barrier([128 * vec_wgs] * nring)
-                xfree = T.alloc_barrier([64] * nring)
+                xfree = T.alloc_barrier([nt] * nring)
                 xr = T.alloc_local((nc * 8,), bf16)
                 wr = T.alloc_local((8,), f32)
             # a ring's accumulators (each consumer warpgroup its own with two rings)
@@ -552,8 +559,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                             if q >= stages:  # use n of a stage waits for the release of use n - 1
                                 T.mbarrier_wait_parity(empty[st], ((q // stages) + 1) % 2)
                             issue(h, wlo, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds, full, ring)
-                    if norm_wg and tx >= 64:
-                        normalize_blocks(x, nw, xss, s, g, nloc, tx - 64, xdone, xfree, xr, wr, pv, red)
+                    if norm_wg and tx >= 128 - nt:
+                        normalize_blocks(x, nw, xss, s, g, nloc, tx - (128 - nt), xdone, xfree, xr, wr, pv, red)
             else:
                 resident(whi, wmid, s, hi0, hi1, hi2, hi3, md0, md1, md2, md3, wbar)
             if (not producer) or tx >= 128:
