@@ -143,6 +143,17 @@ def variants(unit: str, t: dict[str, torch.Tensor], compiled: dict[str, Callable
             return (new, *tk.mhc_pre(new, pp, parts, sc, ba, w, ITERS, HC_EPS, NORM_EPS, EPS, **kw))
 
         out["triton (post + mhc_pre)"] = post_then_pre
+        if tilelang_ok():
+            from dsv41_passes.lowering.mhc_weights import slice_major
+            from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+
+            sliced = slice_major(parts, D, 24)
+
+            def post_then_tilelang_pre():
+                new = tk.mhc_post(y, h, po, co, **kw)
+                return (new, *tlp.mhc_pre(new, pp, sliced, sc, ba, w, ITERS, HC_EPS, NORM_EPS, EPS))
+
+            out["triton post + tilelang mhc_pre (from M 2048)"] = post_then_tilelang_pre
         if tkm is not None:
             def tk_boundary():
                 new = tilekernels_post(tkm, y, h, po, co)

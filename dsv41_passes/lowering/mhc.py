@@ -310,12 +310,12 @@ def _tilelang_stats(h, fn, scale, base, iters, hc_eps, norm_eps, *, batch_invari
 
 
 # The persistent TileLang mhc_pre (prefill sizes) runs from this token count up, outside batch-invariant
-# mode; None keeps it off. It gives the Triton kernel's bits. The whole op with the default config (wg1-split-v2),
-# timed in turn with the Triton op on the H200 (benchmarks/results/run127-probe_mhc_pre.log, ms): 1.464 vs 1.734 at
-# M = 65536, 0.362 vs 0.423 at 16384, 0.192 vs 0.220 at 8192, 0.108 vs 0.114 at 4097, 0.1005 vs 0.1133 at 4096,
-# 0.0577 vs 0.0609 at 2048; at M = 128 and 1 it is slower (bench_mhc run 127: 0.0233 vs 0.0144, 0.0205 vs 0.0121).
-# Between 128 and 2048 it has not been timed. DSV41_MHC_PRE_TILELANG_MIN_M sets it from the environment ("off": never).
-_ENV_MIN_M = os.environ.get("DSV41_MHC_PRE_TILELANG_MIN_M", "2048")
+# mode; None keeps it off. It gives the Triton kernel's bits. The whole op with the default config
+# (wg1-split-v2-normwg3), timed in turn with the Triton op on the H200 (ms; run174/175-probe_mhc*.log): 1.331 vs 1.698
+# at M = 65536, 0.3441 vs 0.4232 at 16384, 0.0983 vs 0.1128 at 4096, 0.0507 vs 0.0600 at 2048, 0.0415 vs 0.0524 at
+# 1536, 0.0329 vs 0.0325 at 1024; at M = 128 and 1 it is slower (bench_mhc run 175: 0.0230 vs 0.0145, 0.0192 vs
+# 0.0121). DSV41_MHC_PRE_TILELANG_MIN_M sets it from the environment ("off": never).
+_ENV_MIN_M = os.environ.get("DSV41_MHC_PRE_TILELANG_MIN_M", "1536")
 TILELANG_PRE_MIN_M: int | None = None if _ENV_MIN_M.lower() in ("off", "none", "") else int(_ENV_MIN_M)
 
 
@@ -348,6 +348,29 @@ def _tilelang_pre(h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps,
 
     sliced = bf16x3_slice_parts(fn, h.shape[2], static=static_weights(mode))
     return tlp.mhc_pre(h, pre_prev, sliced, scale, base, weight, iters, hc_eps, norm_eps, eps)
+
+
+# The boundary at prefill sizes as the Triton post, then the TileLang mhc_pre on the new residual: it reads the
+# residual once more than the Triton boundary's post + collapse kernel, and is still faster where the TileLang
+# mhc_pre runs (bench_mhc run 175, ms at M = 65536 / 16384 / 4096: 2.864 / 0.7064 / 0.1924 against 2.971 / 0.7190 /
+# 0.1987). The same bits as the Triton boundary (both are the Triton post and mhc_pre's numerics).
+def _tilelang_boundary_ok(y, res, post, comb, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, *,
+                          batch_invariant):
+    why = _triton_post_ok(y, res, post, comb, batch_invariant=batch_invariant)
+    if why:
+        return f"post: {why}"
+    return _tilelang_pre_ok(res, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps,
+                            batch_invariant=batch_invariant)
+
+
+@register_provider("mhc_boundary", "tilelang", _tilelang_boundary_ok, wants_mode=True)
+def _tilelang_boundary(y, res, post, comb, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, *,
+                       batch_invariant, mode):
+    from .triton import mhc as tk
+
+    new_res = tk.mhc_post(y, res, post, comb, batch_invariant=batch_invariant)
+    return (new_res, *_tilelang_pre(new_res, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps,
+                                    batch_invariant=batch_invariant, mode=mode))
 
 
 # ---------------------------------------------------------------------------

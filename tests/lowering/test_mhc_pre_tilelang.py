@@ -79,7 +79,8 @@ def test_kernel_rejects_what_it_cannot_run():
 
 
 @pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-producer", "wg1-split",
-                                  "wg1-split-v2", "wg1-split-v2-xhints", "wg1-split-v2-normwg"])
+                                  "wg1-split-v2", "wg1-split-v2-xhints", "wg1-split-v2-normwg",
+                                  "wg1-split-v2-normwg3"])
 def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     """The sm_90a build: one wgmma shape (m64n24k16, the 24 mix columns unpadded), rounding spelled out
     (no contraction: nvcc --fmad=false and explicit __f*_rn), the residual loads by TMA with the
@@ -123,9 +124,10 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
             assert f"__launch_bounds__({256 + 128 * vec_wgs}" in src
             lanes = set(re.findall(r"__shfl_xor_sync\([^,]*, [^,]*, (\d+)", rest))
             assert lanes == ({"1", "2"} if vec_wgs == 2 else {"1"}), lanes
-    if cfg.get("norm_wg"):  # warps 2-3 alone poll the norm partials; the vector role hands blocks over and back
+    if cfg.get("norm_wg"):  # warps 2-3 (or 1-3) alone poll the norm partials; the vector role hands blocks over, back
         front, vector = src.split("if (256 <= ((int)threadIdx.x)) {")
-        assert src.count("AtomicLoad") == 1 and "if (64 <= ((int)threadIdx.x)) {" in front.split("AtomicLoad")[0]
+        first = 128 - 32 * cfg.get("norm_warps", 2)
+        assert src.count("AtomicLoad") == 1 and f"if ({first} <= ((int)threadIdx.x)) {{" in front.split("AtomicLoad")[0]
         assert "xdone[" in vector and "].arrive();" in vector and "xfree[" in vector and "].wait(" in vector
     if cfg.get("x_hints"):  # the plain x stores, once in the step and in the lagged norm, through the hinted helpers
         assert "createpolicy.fractional.L2::" in src and "st.global.L2::cache_hint.v4.b32" in src
@@ -168,7 +170,8 @@ def _skip_without_tilelang():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-producer", "wg1-split",
-                                  "wg1-split-v2", "wg1-split-v2-xhints", "wg1-split-v2-normwg"])
+                                  "wg1-split-v2", "wg1-split-v2-xhints", "wg1-split-v2-normwg",
+                                  "wg1-split-v2-normwg3"])
 @pytest.mark.parametrize("m", [1, 4096, 4097, 65536])
 def test_gpu_matches_the_triton_kernel(m, name):
     """x, pre, post and comb against the Triton mhc_pre; bitwise is the goal (same numerics, n24 instead
@@ -194,6 +197,30 @@ def test_gpu_matches_the_triton_kernel(m, name):
     # the Triton kernel with its fixed default (split 1: at decode sizes its untuned config splits K slices)
     ref = tk.mhc_pre(t["h"], t["pre_prev"], parts, *args, batch_invariant=False, config=tk.default_config("mhc_pre"))
     for what, a, b in zip(("x", "pre", "post", "comb"), (x, pre, post, comb), ref):
+        assert torch.equal(a, b), f"{what}: {(a != b).sum().item()} of {a.numel()} differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1536, 4097])
+def test_gpu_boundary_provider_matches_the_triton_boundary(m):
+    """The op's TileLang boundary (from TILELANG_PRE_MIN_M) gives the Triton boundary's bits: new residual, x and the
+    stats."""
+    _skip_without_tilelang()
+    from dsv41_passes.lowering import mhc as ops
+
+    from .test_mhc_kernels import make_inputs
+
+    if ops.TILELANG_PRE_MIN_M is None or m < ops.TILELANG_PRE_MIN_M:
+        pytest.skip(f"the TileLang provider starts at {ops.TILELANG_PRE_MIN_M}")
+    t = make_inputs(m, FLASH_D, seed=m, device="cuda")
+    args = (t["y"], t["h"], t["post"], t["comb"], t["pre_prev"], t["fn"], t["scale"], t["base"], t["w"], ITERS, HC_EPS,
+            NORM_EPS, EPS)
+    mode = registry.encode_mode(False)
+    p, why = registry.choose("mhc_boundary", "tilelang,triton", False, *args)
+    assert p.name == "tilelang", why
+    got = torch.ops.dsv41.mhc_boundary(*args, "tilelang,triton", mode)
+    ref = torch.ops.dsv41.mhc_boundary(*args, "triton", mode)
+    for what, a, b in zip(("new residual", "x", "pre", "post", "comb"), got, ref):
         assert torch.equal(a, b), f"{what}: {(a != b).sum().item()} of {a.numel()} differ"
 
 
@@ -232,7 +259,7 @@ def test_default_config_from_the_environment():
     import sys
 
     code = ("from dsv41_passes.lowering.tilelang import mhc_pre as t; "
-            "print(t.DEFAULT_CONFIG == t.CONFIGS['wg1-split'], t.DEFAULT_CONFIG is t.CONFIGS['wg1-split-v2'])")
+            "print(t.DEFAULT_CONFIG == t.CONFIGS['wg1-split'], t.DEFAULT_CONFIG is t.CONFIGS['wg1-split-v2-normwg3'])")
     root = str(Path(__file__).resolve().parents[2])
 
     def run(value):
@@ -259,12 +286,12 @@ def test_two_vector_warpgroups_need_split_roles():
 
 
 def test_provider_runs_from_its_threshold(monkeypatch):
-    """On by default from M = 2048 (measured faster than the Triton op there, slower at decode sizes); off when
-    TILELANG_PRE_MIN_M is None; never in batch-invariant mode."""
+    """On by default from M = 1536 (measured faster than the Triton op there, level at 1024, slower at decode sizes);
+    off when TILELANG_PRE_MIN_M is None; never in batch-invariant mode."""
     from dsv41_passes.lowering import mhc as ops
 
     if "DSV41_MHC_PRE_TILELANG_MIN_M" not in __import__("os").environ:
-        assert ops.TILELANG_PRE_MIN_M == 2048
+        assert ops.TILELANG_PRE_MIN_M == 1536
 
     monkeypatch.setattr(registry, "tilelang_available", lambda t: None)
     m = 8192
@@ -279,6 +306,33 @@ def test_provider_runs_from_its_threshold(monkeypatch):
     assert "batch-invariant" in ops._tilelang_pre_ok(*args, batch_invariant=True)
     assert "decode sizes" in ops._tilelang_pre_ok(*(h[:100], *args[1:]), batch_invariant=False)
     assert "float32 RMSNorm weight" in ops._tilelang_pre_ok(*args[:5], None, *args[6:], batch_invariant=False)
+
+
+def test_boundary_provider_follows_the_pre_and_the_post(monkeypatch):
+    """The TileLang boundary (Triton post, then the TileLang mhc_pre) runs where both of those would: the pre's
+    threshold and batch-invariant rule, the post's input rules; elsewhere the Triton boundary runs."""
+    from dsv41_passes.lowering import mhc as ops
+
+    monkeypatch.setattr(registry, "tilelang_available", lambda t: None)
+    monkeypatch.setattr(ops, "triton_available", lambda t: None)
+    monkeypatch.setattr(ops, "TILELANG_PRE_MIN_M", 4096)
+    m = 4096
+    meta = dict(device="meta")
+    args = [torch.empty(m, FLASH_D, dtype=torch.bfloat16, **meta),
+            torch.empty(m, 4, FLASH_D, dtype=torch.bfloat16, **meta),
+            torch.empty(m, 4, **meta), torch.empty(m, 4, 4, **meta), torch.empty(m, 4, **meta),
+            torch.empty(24, 4 * FLASH_D, **meta), torch.empty(3), torch.empty(24), torch.empty(FLASH_D, **meta),
+            ITERS, HC_EPS, NORM_EPS, EPS]
+    p, why = registry.choose("mhc_boundary", "tilelang,triton", False, *args)
+    assert p.name == "tilelang", why
+    p, why = registry.choose("mhc_boundary", "tilelang,triton", True, *args)
+    assert p.name == "triton" and "batch-invariant" in why[0]
+    small = [a[:4095] if i < 5 else a for i, a in enumerate(args)]
+    p, why = registry.choose("mhc_boundary", "tilelang,triton", False, *small)
+    assert p.name == "triton" and "decode sizes" in why[0]
+    wrong = [args[0].float(), *args[1:]]
+    assert "post: y dtype" in ops._tilelang_boundary_ok(*wrong, batch_invariant=False)
+    assert "float32 RMSNorm weight" in ops._tilelang_boundary_ok(*args[:8], None, *args[9:], batch_invariant=False)
 
 
 def test_provider_check_puts_no_guard_on_m(monkeypatch):
