@@ -60,7 +60,7 @@ Warpgroups (``mhc_pre.CONFIGS``; the measurements behind each step are in ``docs
   over on an mbarrier ring, instead of the vector role a chunk a step; same bits, the same L2 bytes, 2% faster at
   prefill sizes and 5% slower at 4096 (runs 135, 137). On warps 1-3 (``norm_warps=3``, config
   ``wg1-split-v2-normwg3``, the default since run 174) it is 2-9% faster than ``wg1-split-v2`` from M = 4096 up and
-  13% at 2048 (runs 173-174): two warps could not keep up with the block rate, three can.
+  13% at 2048 (runs 173-174); each pass of these warps is a poll and a reload at L2 latency.
 """
 
 # No ``from __future__ import annotations``: TileLang evaluates the prim_func annotations.
