@@ -377,7 +377,10 @@ def _tilelang_boundary(y, res, post, comb, pre_prev, fn, scale, base, weight, it
 # warm-up / tuning entries (dsv41_passes.tuning.warmup)
 # ---------------------------------------------------------------------------
 def tunables(config, device=None) -> list:
-    """``tuning.Tunable`` entries of the Triton mHC kernels at ``config``'s shapes (hc_mult 4, bf16)."""
+    """``tuning.Tunable`` entries of the Triton mHC kernels at ``config``'s shapes (hc_mult 4, bf16), and, where
+    TileLang runs and takes the shape, the persistent TileLang ``mhc_pre`` (op name ``mhc_pre.tilelang``): one binary
+    for every M, built at the first bucket from ``TILELANG_PRE_MIN_M`` (the ops' and the boundary's from there), its
+    config the op's default (nothing to tune)."""
     from ..tuning import Tunable
     from .mhc_weights import build_parts
     from .triton import mhc as tk
@@ -427,7 +430,28 @@ def tunables(config, device=None) -> list:
         "mhc_pre": (pre_inputs, tk.mhc_pre),
         "mhc_boundary": (boundary_inputs, tk.mhc_boundary),
     }
-    return [
+    out = [
         Tunable(op, key, make, runner(fn), tk.CANDIDATES[op], tk.default_config(op))
         for op, (make, fn) in table.items()
     ]
+    from .registry import tilelang_available
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if TILELANG_PRE_MIN_M is not None and tilelang_available(torch.empty(0, device=dev)) is None:
+        from .mhc_weights import slice_major
+        from .tilelang import mhc_pre as tlp
+
+        if tlp.unsupported(torch.empty(1, n, d, dtype=torch.bfloat16, device=dev)) is None:
+            def tl_pre_inputs(m, dev):
+                fn, parts, scale, base, w = weights(dev)
+                return (res(m, dev), torch.rand(m, n, device=dev), slice_major(parts, d, config.mix_hc), scale, base,
+                        w, iters, hc_eps, eps, eps)
+
+            def run_tl_pre(inputs, cfg):
+                if inputs[0].shape[0] < TILELANG_PRE_MIN_M:
+                    return None  # the op runs the Triton kernel at this M
+                return tlp.mhc_pre(*inputs, config=cfg)
+
+            cfg = tlp.DEFAULT_CONFIG
+            out.append(Tunable("mhc_pre.tilelang", key, tl_pre_inputs, run_tl_pre, [cfg], cfg, lambda m: cfg))
+    return out

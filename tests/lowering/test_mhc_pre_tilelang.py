@@ -224,6 +224,43 @@ def test_gpu_boundary_provider_matches_the_triton_boundary(m):
         assert torch.equal(a, b), f"{what}: {(a != b).sum().item()} of {a.numel()} differ"
 
 
+def test_warmup_lists_the_tilelang_kernel_only_where_it_runs():
+    from dsv41_passes.lowering import mhc as ops
+    from dsv41_passes.reference import DeepseekV41Config
+
+    assert "mhc_pre.tilelang" not in {t.op for t in ops.tunables(DeepseekV41Config.flash(), "cpu")}
+
+
+@pytest.mark.gpu
+def test_gpu_warmup_builds_the_tilelang_kernel():
+    """The warm-up's TileLang entry builds the op's kernel (the default config, the model's eps) at the first bucket
+    from the threshold and nothing below it; the op then adds no binary."""
+    _skip_without_tilelang()
+    from dsv41_passes.lowering import mhc as ops
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+    from dsv41_passes.reference import DeepseekV41Config
+
+    if ops.TILELANG_PRE_MIN_M is None:
+        pytest.skip("the TileLang mhc_pre is off")
+    cfg = DeepseekV41Config.flash()
+    (t,) = [t for t in ops.tunables(cfg, "cuda") if t.op == "mhc_pre.tilelang"]
+    assert t.candidates == [tlp.DEFAULT_CONFIG] and t.untuned(65536) is tlp.DEFAULT_CONFIG
+    tlp._KERNELS.clear()
+    assert t.run(t.make_inputs(ops.TILELANG_PRE_MIN_M - 1, "cuda"), t.default) is None and not tlp._KERNELS
+    t.run(t.make_inputs(ops.TILELANG_PRE_MIN_M, "cuda"), t.default)
+    assert len(tlp._KERNELS) == 1
+    m = 4096
+    h = torch.randn(m, cfg.hc_mult, cfg.hidden_size, device="cuda").bfloat16()
+    fn = torch.randn(cfg.mix_hc, cfg.hc_mult * cfg.hidden_size, device="cuda") / 100
+    args = (h, torch.rand(m, cfg.hc_mult, device="cuda"), fn, torch.ones(3, device="cuda"),
+            torch.zeros(cfg.mix_hc, device="cuda"), torch.ones(cfg.hidden_size, device="cuda"), cfg.hc_sinkhorn_iters,
+            cfg.hc_eps, cfg.rms_norm_eps, cfg.rms_norm_eps)
+    p, why = registry.choose("mhc_pre", "tilelang,triton", False, *args)
+    assert p.name == "tilelang", why
+    torch.ops.dsv41.mhc_pre(*args, "tilelang,triton", registry.encode_mode(False))
+    assert len(tlp._KERNELS) == 1
+
+
 @pytest.mark.gpu
 def test_gpu_one_binary_for_every_m_and_rows_independent():
     """One compiled kernel per config for every token count; a row's result never depends on M."""
