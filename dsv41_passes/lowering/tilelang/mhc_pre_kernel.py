@@ -18,10 +18,11 @@ have to move). Here:
 * The collapse of a row block is written un-normalized (it should stay in L2: the residual is loaded
   evict-first) and the CTA publishes its slice partials at the block's end: mixes and sums of squares
   in the Triton finish kernel's layout, the norm's sum of squares last, into a buffer filled with
-  ``SENTINEL`` before the launch. ``LAG`` row blocks later it polls the 16 slices' norm partials of
-  its rows (relaxed loads; those values are the only data it reads from other CTAs, so no fence or
-  counter is needed), and normalizes one chunk of its own slice per step: the chunk it loads at the top
-  of a step (the values this thread wrote) is rescaled and stored at the bottom.
+  ``SENTINEL`` before the launch. Then its rows are normalized once the 16 slices' norm partials are in
+  (polled with relaxed loads; those values are the only data read from other CTAs, so no fence or counter
+  is needed): by default (``norm_wg``) three warps of the producer warpgroup take each row block as the
+  vector role hands it over, reload its slice of x, rescale and store it; otherwise the vector role does it
+  ``LAG`` row blocks later, one chunk a step.
 * The stats (ordered slice sum, rsqrt, sigmoids, Sinkhorn) are the Triton finish kernel, run next on
   the partials.
 
