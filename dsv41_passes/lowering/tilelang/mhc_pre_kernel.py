@@ -70,6 +70,7 @@ import contextlib
 from types import SimpleNamespace
 
 from ..mhc_weights import NUM_SLICES, slice_geometry
+from .mhc_pre_macros import kernel_macros
 from .register_split import CONSUMER_REGS, PRODUCER_REGS, launch_regs, split_reason
 
 HC = 4
@@ -183,145 +184,13 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     m = T.dynamic("M")
     bf16, f32 = "bfloat16", "float32"
 
-    def pslot(rb, r, s2):
-        """Index of row r of kernel row block rb, slice s2, in the 64-row partial layout."""
-        return ((rb * wgs + r // BM) * S + s2) * BM + r % BM
-
-    def normed(w, xv, rstd):
-        """bf16(w * (x * rstd)) of one un-normalized bf16 value (the norm's rounding, wherever it runs)."""
-        return T.cast(T.ieee_mul(w, T.ieee_mul(T.cast(xv, f32), rstd)), bf16)
-
-    @T.macro
-    def row_rstd(xss, rbn, r, pv, red):
-        """red[1] <- rsqrt factor of row r of row block rbn, once its 16 slice partials are published
-        (relaxed loads from L2, polled; the values are the only data read, so no fence is needed)."""
-        for _ in T.serial(m + (1 << 30)):  # a ``while`` is not accepted here; a runtime bound is not unrolled
-            for s2 in T.unroll(S):
-                pv[s2] = T.atomic_load(xss[pslot(rbn, r, s2)], memory_order="relaxed")
-            red[0] = 0.0
-            for s2 in T.unroll(S):
-                red[0] = T.if_then_else(pv[s2] == SENTINEL, 1.0, red[0])
-            if red[0] == 0.0:
-                T.loop_break()
-        red[0] = 0.0
-        for s2 in T.unroll(S):  # slice order, as the Triton finish kernel
-            red[0] = T.ieee_add(red[0], pv[s2])
-        red[1] = T.ieee_fdiv(1.0, T.ieee_fsqrt(T.ieee_add(T.ieee_fdiv(red[0], float(d)), eps)))
-
-    @T.macro
-    def store_x(x, row, col2, hf, src, policy):
-        """x[row, this thread's columns of the chunk at col2] <- src (bf16); with ``x_hints`` through the 16-byte
-        store helper of ``policy`` ("last" / "first")."""
-        if row < m:
-            for u in T.unroll(nrun):
-                if x_hints:
-                    T.call_extern("handle", f"dsv41_st16_evict_{policy}", T.address_of(x[row, col2 + run_col(hf, u)]),
-                                  T.address_of(src[u * 8]))
-                else:
-                    for e in T.vectorized(8):
-                        x[row, col2 + run_col(hf, u) + e] = src[u * 8 + e]
-
-    @T.macro
-    def norm_chunk(x, w_s, row, col2, lcol, hf, xn, wv, red):
-        """x[row, this thread's columns of the chunk at col2] <- bf16(w * (x * rstd)) from xn (the
-        un-normalized values, loaded before); lcol: the chunk's column within the slice (w_s)."""
-        for u in T.unroll(nrun):
-            for e in T.vectorized(8):
-                wv[u * 8 + e] = w_s[lcol + run_col(hf, u) + e]
-        for v in T.unroll(vals):
-            xn[v] = normed(wv[v], xn[v], red[1])
-        store_x(x, row, col2, hf, xn, "first")
-
-    @T.macro
-    def load_chunk(x, row, col2, hf, xn):
-        if row < m:
-            for u in T.unroll(nrun):
-                for e in T.vectorized(8):
-                    xn[u * 8 + e] = x[row, col2 + run_col(hf, u) + e]
-
-    @T.macro
-    def stream_dots(a, hi, md, mds, k, lo, sh, acc_mid, acc_lo, st, c):
-        """Stream k's three dots of a step (async): hi from zero into sh, mid and lo chained."""
-        T.wgmma_gemm(a[st, :, :], hi[:, c * bk:(c + 1) * bk], sh, transpose_B=True, clear_accum=True)
-        if mid_resident:
-            T.wgmma_gemm(a[st, :, :], md[:, c * bk:(c + 1) * bk], acc_mid, transpose_B=True)
-        else:
-            T.wgmma_gemm(a[st, :, :], mds[st, k, :, :], acc_mid, transpose_B=True)
-        T.wgmma_gemm(a[st, :, :], lo[st, :, :], acc_lo, transpose_B=True)
-
-    @T.macro
-    def load_stream(a, hv, st, r, hf):
-        """This thread's values of a stream's chunk, from the shared stage, as fp32."""
-        for u in T.unroll(nrun):
-            for e in T.vectorized(8):
-                hv[u * 8 + e] = T.cast(a[st, r, run_col(hf, u) + e], f32)
-
-    @T.macro
-    def issue(h, wlo, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds, full, ring=0):
-        """TMA of step q of ``ring`` (row block g + j * groups with j = (q // nc) * rings + ring, chunk q % nc)
-        into stage st; every thread arrives (the elected leader first adds the expected bytes). The residual is
-        read once: evict it first, so the un-normalized collapse stays in L2 until its normalization."""
-        rq = (g + ((q // nc) * rings + ring if rings > 1 else q // nc) * groups) * bm
-        cq = q % nc
-        colq = s * ds + cq * bk
-        T.tma_copy(h[rq:rq + bm, 0 * d + colq:0 * d + colq + bk], a0[st, :, :], barrier=full[st],
-                   eviction_policy="evict_first", leader_scope_threads=lead)
-        T.tma_copy(h[rq:rq + bm, 1 * d + colq:1 * d + colq + bk], a1[st, :, :], barrier=full[st],
-                   eviction_policy="evict_first", leader_scope_threads=lead)
-        T.tma_copy(h[rq:rq + bm, 2 * d + colq:2 * d + colq + bk], a2[st, :, :], barrier=full[st],
-                   eviction_policy="evict_first", leader_scope_threads=lead)
-        T.tma_copy(h[rq:rq + bm, 3 * d + colq:3 * d + colq + bk], a3[st, :, :], barrier=full[st],
-                   eviction_policy="evict_first", leader_scope_threads=lead)
-        T.tma_copy(wlo[s, 0, :, cq * bk:(cq + 1) * bk], lo0[st, :, :], barrier=full[st], leader_scope_threads=lead)
-        T.tma_copy(wlo[s, 1, :, cq * bk:(cq + 1) * bk], lo1[st, :, :], barrier=full[st], leader_scope_threads=lead)
-        T.tma_copy(wlo[s, 2, :, cq * bk:(cq + 1) * bk], lo2[st, :, :], barrier=full[st], leader_scope_threads=lead)
-        T.tma_copy(wlo[s, 3, :, cq * bk:(cq + 1) * bk], lo3[st, :, :], barrier=full[st], leader_scope_threads=lead)
-        if not mid_resident:
-            T.tma_copy(wmid[s, :, :, cq * bk:(cq + 1) * bk], mds[st, :, :, :], barrier=full[st],
-                       leader_scope_threads=lead)
-        T.mbarrier_arrive(full[st])
-
-    @T.macro
-    def resident(whi, wmid, s, hi0, hi1, hi2, hi3, md0, md1, md2, md3, wbar):
-        """TMA of slice s's resident weight parts (hi, and mid unless it streams), onto ``wbar``."""
-        T.tma_copy(whi[s, 0, :, :], hi0, barrier=wbar[0], leader_scope_threads=lead)
-        T.tma_copy(whi[s, 1, :, :], hi1, barrier=wbar[0], leader_scope_threads=lead)
-        T.tma_copy(whi[s, 2, :, :], hi2, barrier=wbar[0], leader_scope_threads=lead)
-        T.tma_copy(whi[s, 3, :, :], hi3, barrier=wbar[0], leader_scope_threads=lead)
-        if mid_resident:
-            T.tma_copy(wmid[s, 0, :, :], md0, barrier=wbar[0], leader_scope_threads=lead)
-            T.tma_copy(wmid[s, 1, :, :], md1, barrier=wbar[0], leader_scope_threads=lead)
-            T.tma_copy(wmid[s, 2, :, :], md2, barrier=wbar[0], leader_scope_threads=lead)
-            T.tma_copy(wmid[s, 3, :, :], md3, barrier=wbar[0], leader_scope_threads=lead)
-        T.mbarrier_arrive(wbar[0])
-
-    @T.macro
-    def normalize_blocks(x, nw, xss, s, g, nloc, lt, xdone, xfree, xr, wr, pv, red):
-        """``norm_wg`` (thread ``lt`` of the ``nt``): each of the CTA's row blocks in order, once the vector role has
-        stored it (``xdone``); four threads a row (8 columns of each chunk, so a warp's access covers 8 rows x 64
-        contiguous bytes), ``nt / 4`` rows a pass, a row's whole slice loaded at once once its 16 slices have published
-        their norm partials; then the block's ring slot is free (``xfree``)."""
-        q = lt % 4
-        for jj in T.serial(nloc):
-            rbn = g + jj * groups
-            T.mbarrier_wait_parity(xdone[jj % nring], (jj // nring) % 2)
-            for p in T.serial(T.ceildiv(BM, nt // 4)):
-                r = p * (nt // 4) + lt // 4
-                row = rbn * bm + r
-                if r < BM:
-                    row_rstd(xss, rbn, r, pv, red)
-                if T.And(r < BM, row < m):
-                    for c2 in T.unroll(nc):
-                        for e in T.vectorized(8):
-                            xr[c2 * 8 + e] = x[row, s * ds + c2 * bk + q * 8 + e]
-                    for c2 in T.unroll(nc):
-                        for e in T.vectorized(8):
-                            wr[e] = nw[s * ds + c2 * bk + q * 8 + e]
-                        for e in T.unroll(8):
-                            xr[c2 * 8 + e] = normed(wr[e], xr[c2 * 8 + e], red[1])
-                        for e in T.vectorized(8):
-                            x[row, s * ds + c2 * bk + q * 8 + e] = xr[c2 * 8 + e]
-            T.mbarrier_arrive(xfree[jj % nring])
+    mc = kernel_macros(T, SimpleNamespace(
+        S=S, d=d, eps=eps, m=m, BM=BM, SENTINEL=SENTINEL, ds=ds, bk=bk, nc=nc, bm=bm, wgs=wgs, groups=groups,
+        rings=rings, nrun=nrun, vals=vals, run_col=run_col, x_hints=x_hints, mid_resident=mid_resident, lead=lead,
+        nt=nt, nring=nring))
+    pslot, row_rstd, store_x, norm_chunk, load_chunk = mc.pslot, mc.row_rstd, mc.store_x, mc.norm_chunk, mc.load_chunk
+    stream_dots, load_stream, issue, resident, normalize_blocks = (
+        mc.stream_dots, mc.load_stream, mc.issue, mc.resident, mc.normalize_blocks)
 
     def ring_blocks(nloc, ring):
         """Row blocks of ``ring`` among the CTA's ``nloc`` (blocks ring, ring + rings, ...)."""
