@@ -126,8 +126,8 @@ def variants(unit: str, t: dict[str, torch.Tensor], compiled: dict[str, Callable
             from dsv41_passes.lowering.tilelang import mhc_pre as tlp
 
             sliced = slice_major(parts, D, 24)
-            out["tilelang (persistent mhc_pre, from M 2048)"] = lambda: tlp.mhc_pre(h, pp, sliced, sc, ba, w, ITERS,
-                                                                                     HC_EPS, NORM_EPS, EPS)
+            out[f"tilelang (persistent mhc_pre, the op's from M {tilelang_min_m()})"] = lambda: tlp.mhc_pre(
+                h, pp, sliced, sc, ba, w, ITERS, HC_EPS, NORM_EPS, EPS)
         if tkm is not None:
             out["tilekernels (cuBLAS fp32 + big_fuse, no norm)"] = lambda: tilekernels_pre(tkm, h, fn, sc, ba)
     elif unit == "post":
@@ -153,7 +153,7 @@ def variants(unit: str, t: dict[str, torch.Tensor], compiled: dict[str, Callable
                 new = tk.mhc_post(y, h, po, co, **kw)
                 return (new, *tlp.mhc_pre(new, pp, sliced, sc, ba, w, ITERS, HC_EPS, NORM_EPS, EPS))
 
-            out["triton post + tilelang mhc_pre (from M 2048)"] = post_then_tilelang_pre
+            out[f"triton post + tilelang mhc_pre (the op's from M {tilelang_min_m()})"] = post_then_tilelang_pre
         if tkm is not None:
             def tk_boundary():
                 new = tilekernels_post(tkm, y, h, po, co)
@@ -161,6 +161,13 @@ def variants(unit: str, t: dict[str, torch.Tensor], compiled: dict[str, Callable
 
             out["tilekernels (post + cuBLAS + big_fuse, no norm)"] = tk_boundary
     return out
+
+
+def tilelang_min_m():
+    """The token count from which the ops run the TileLang ``mhc_pre`` (None: off)."""
+    from dsv41_passes.lowering import mhc as ops
+
+    return ops.TILELANG_PRE_MIN_M
 
 
 def tilelang_ok() -> bool:
