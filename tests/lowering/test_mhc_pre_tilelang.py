@@ -389,3 +389,12 @@ def test_provider_check_puts_no_guard_on_m(monkeypatch):
     ops._tilelang_pre_ok(h, torch.empty(64, 4), torch.empty(24, 4 * FLASH_D), torch.empty(3), torch.empty(24),
                          torch.empty(FLASH_D), ITERS, HC_EPS, NORM_EPS, EPS, batch_invariant=False)
     assert len(env.guards) == before, env.guards[before:]
+    # and the boundary's check (the post's rules, then the pre's)
+    monkeypatch.setattr(ops, "triton_available", lambda t: None)
+    ctx2 = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    y = mode.from_tensor(torch.empty(64, FLASH_D, dtype=torch.bfloat16), symbolic_context=ctx2)
+    why = ops._tilelang_boundary_ok(y, h, torch.empty(64, 4), torch.empty(64, 4, 4), torch.empty(64, 4),
+                                    torch.empty(24, 4 * FLASH_D), torch.empty(3), torch.empty(24), torch.empty(FLASH_D),
+                                    ITERS, HC_EPS, NORM_EPS, EPS, batch_invariant=False)
+    assert why is None, why  # a symbolic M is not known to be below the threshold: no guard, and no decline
+    assert len(env.guards) == before, env.guards[before:]
