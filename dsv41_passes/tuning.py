@@ -162,14 +162,15 @@ def load_tactics(path: str | os.PathLike[str]) -> int:
 class Tunable:
     """One kernel of one op at one model shape, as the warm-up sees it.
 
-    ``make_inputs(m, device)`` builds the op's inputs for ``m`` tokens;
-    ``run(inputs, config)`` launches the kernel with an explicit config.
+    ``make_inputs(m, device)`` builds the op's inputs for ``m`` tokens; ``run(inputs, config)`` launches the
+    kernel with an explicit config. An entry whose kernel the op runs only at some M may build None elsewhere,
+    and its ``run`` then does nothing.
     """
 
     op: str
     shape_key: dict[str, Any]
-    make_inputs: Callable[[int, Any], tuple]
-    run: Callable[[tuple, dict[str, Any]], Any]
+    make_inputs: Callable[[int, Any], tuple | None]
+    run: Callable[[tuple | None, dict[str, Any]], Any]
     candidates: list[dict[str, Any]]
     default: dict[str, Any]  # the batch-invariant config (and the untuned one, unless ``untuned`` is given)
     untuned: Callable[[int], dict[str, Any]] | None = None  # untuned config by token count

@@ -443,14 +443,14 @@ def tunables(config, device=None) -> list:
 
         if tlp.unsupported(torch.empty(1, n, d, dtype=torch.bfloat16, device=dev)) is None:
             def tl_pre_inputs(m, dev):
-                fn, parts, scale, base, w = weights(dev)
+                if m < TILELANG_PRE_MIN_M:
+                    return None  # the op runs the Triton kernel at this M: nothing to build
+                _, parts, scale, base, w = weights(dev)
                 return (res(m, dev), torch.rand(m, n, device=dev), slice_major(parts, d, config.mix_hc), scale, base,
                         w, iters, hc_eps, eps, eps)
 
             def run_tl_pre(inputs, cfg):
-                if inputs[0].shape[0] < TILELANG_PRE_MIN_M:
-                    return None  # the op runs the Triton kernel at this M
-                return tlp.mhc_pre(*inputs, config=cfg)
+                return None if inputs is None else tlp.mhc_pre(*inputs, config=cfg)
 
             cfg = tlp.DEFAULT_CONFIG
             out.append(Tunable("mhc_pre.tilelang", key, tl_pre_inputs, run_tl_pre, [cfg], cfg, lambda m: cfg))

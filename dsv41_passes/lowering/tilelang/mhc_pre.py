@@ -50,7 +50,7 @@ def _kernel(d: int, groups: int, eps: float, cfg: dict):
     """The compiled kernel of a config (``build``'s keyword arguments), once per process."""
     opts = dict(cfg)
     opts.setdefault("lag", LAG)
-    key = (d, groups, float(eps), tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in opts.items())))
+    key = (d, groups, float(eps), tuple(sorted(opts.items())))
     k = _KERNELS.get(key)
     if k is None:
         with _LOCK:
