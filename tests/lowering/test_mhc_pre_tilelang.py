@@ -80,7 +80,7 @@ def test_kernel_rejects_what_it_cannot_run():
 
 @pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-producer", "wg1-split",
                                   "wg1-split-v2", "wg1-split-v2-xhints", "wg1-split-v2-normwg",
-                                  "wg1-split-v2-normwg3"])
+                                  "wg1-split-v2-normwg3", "wg1-split-v2-normwg3-ws"])
 def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     """The sm_90a build: one wgmma shape (m64n24k16, the 24 mix columns unpadded), rounding spelled out
     (no contraction: nvcc --fmad=false and explicit __f*_rn), the residual loads by TMA with the
@@ -129,6 +129,8 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
         first = 128 - 32 * cfg.get("norm_warps", 2)
         assert src.count("AtomicLoad") == 1 and f"if ({first} <= ((int)threadIdx.x)) {{" in front.split("AtomicLoad")[0]
         assert "xdone[" in vector and "].arrive();" in vector and "xfree[" in vector and "].wait(" in vector
+        # their weights: from the consumers' shared copy with norm_w_smem (nw is then read once, into w_s)
+        assert ("(nw + " in front) != bool(cfg.get("norm_w_smem")) and src.count(" = nw[") == 1
     if cfg.get("x_hints"):  # the plain x stores, once in the step and in the lagged norm, through the hinted helpers
         assert "createpolicy.fractional.L2::" in src and "st.global.L2::cache_hint.v4.b32" in src
         assert src.count("dsv41_st16_evict_last(") == 1 and src.count("dsv41_st16_evict_first(") == 2
@@ -171,7 +173,7 @@ def _skip_without_tilelang():
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-producer", "wg1-split",
                                   "wg1-split-v2", "wg1-split-v2-xhints", "wg1-split-v2-normwg",
-                                  "wg1-split-v2-normwg3"])
+                                  "wg1-split-v2-normwg3", "wg1-split-v2-normwg3-ws"])
 @pytest.mark.parametrize("m", [1, 4096, 4097, 65536])
 def test_gpu_matches_the_triton_kernel(m, name):
     """x, pre, post and comb against the Triton mhc_pre; bitwise is the goal (same numerics, n24 instead
@@ -296,7 +298,8 @@ def test_default_config_from_the_environment():
     import sys
 
     code = ("from dsv41_passes.lowering.tilelang import mhc_pre as t; "
-            "print(t.DEFAULT_CONFIG == t.CONFIGS['wg1-split'], t.DEFAULT_CONFIG is t.CONFIGS['wg1-split-v2-normwg3'])")
+            "print(t.DEFAULT_CONFIG == t.CONFIGS['wg1-split'], "
+            "t.DEFAULT_CONFIG is t.CONFIGS['wg1-split-v2-normwg3-ws'])")
     root = str(Path(__file__).resolve().parents[2])
 
     def run(value):
@@ -320,6 +323,34 @@ def test_two_vector_warpgroups_need_split_roles():
         tlp.build(FLASH_D, 8, EPS, stages=4, wgs=1, producer=True, vec_wgs=2)
     with pytest.raises(ValueError, match="two vector warpgroups"):
         tlp.build(FLASH_D, 8, EPS, stages=4, wgs=1, producer=True, split_roles=True, vec_wgs=3)
+
+
+def test_build_options_are_checked():
+    """``diag`` takes only its known flags, and ``norm_w_smem`` only goes with the normalizing warps."""
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+
+    pytest.importorskip("tilelang")
+    with pytest.raises(ValueError, match="diag 'timers,nosq'"):
+        tlp.build(FLASH_D, 8, EPS, **dict(tlp.DEFAULT_CONFIG, diag="timers,nosq"))
+    with pytest.raises(ValueError, match="norm_w_smem is for the normalizing warps"):
+        tlp.build(FLASH_D, 8, EPS, **dict(tlp.CONFIGS["wg1-split-v2"], norm_w_smem=True))
+
+
+def test_diag_timers_build(tmp_path, monkeypatch):
+    """The probe build (``diag`` "timers", ``benchmarks/probe_mhc_pre_diag.py``): each role's first thread reads the
+    cycle counter around its barrier waits and writes three counts over xss at the end; no spills."""
+    pytest.importorskip("tilelang")
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not installed: TileLang cannot build the sm_90a cubin")
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+
+    src = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, **dict(tlp.DEFAULT_CONFIG, diag="timers")), True)
+    src = src.get_kernel_source()
+    writes = re.findall(r"xss\[\(+\(\(int\)blockIdx.x\) \* 64\) \+ k_\d+\)(?: \+ (\d+))?\)?\] = \(\(float\)tm\[", src)
+    assert sorted(int(w or 0) for w in writes) == [0, 3, 6, 9] and src.count("clock64()") >= 16  # a role's rows
+    plain = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, **tlp.DEFAULT_CONFIG), True).get_kernel_source()
+    assert "clock64" not in plain
 
 
 def test_provider_runs_from_its_threshold(monkeypatch):

@@ -2,8 +2,9 @@
 collapse + RMSNorm written to HBM once (``mhc_pre_kernel``), then the Triton finish kernel on its partials.
 It gives the Triton kernel's bits. The op runs it from ``lowering.mhc.TILELANG_PRE_MIN_M`` (1536) tokens up:
 with split roles, the vector work on two warpgroups and the norm on three warps of the producer warpgroup
-(``wg1-split-v2-normwg3``, the default since run 174) it measured 13-22% faster than the Triton op from M = 1536 up
-on the H200, level at 1024 and slower at decode sizes (``docs/performance.md``).
+(``wg1-split-v2-normwg3``, run 174; with the norm weights in shared memory, ``wg1-split-v2-normwg3-ws``, the default
+since run 181) it measured 13-22% faster than the Triton op from M = 1536 up on the H200, level at 1024 and slower
+at decode sizes (``docs/performance.md``).
 Here: the launch configs, the compiled-kernel cache, the input checks and the host wrappers.
 """
 
@@ -93,14 +94,22 @@ CONFIGS["wg1-split-v2-xhints"] = dict(CONFIGS["wg1-split-v2"], x_hints=True)
 # 1.462 / 0.3719 / 0.1005: the norm's work moved, not its cost (the lagged norm's x round trip through L2 stays).
 # Starting a block only once the next one is stored too (fewer polls) was slower: 1.461 / 0.3805 / 0.1086.
 CONFIGS["wg1-split-v2-normwg"] = dict(CONFIGS["wg1-split-v2"], norm_wg=True)
-# the same on warps 1-3 (24 rows a pass instead of 16): the default since run 174. Same bits; run174-probe_mhc.log
+# the same on warps 1-3 (24 rows a pass instead of 16): the default from run 174 to 180. Same bits; run174-probe_mhc.log
 # (timed in turn, medians of 8 rounds, ms at 65536 / 16384 / 4096 / 2048): 1.331 / 0.3441 / 0.0983 / 0.0507 against
 # 1.423 / 0.3618 / 0.1008 / 0.0580 for wg1-split-v2 (run 173: 1.351 / 0.3493 / 0.0988 against 1.486 / 0.3708 / 0.1010)
 CONFIGS["wg1-split-v2-normwg3"] = dict(CONFIGS["wg1-split-v2-normwg"], norm_warps=3)
-# Not kept (measured in runs 173-174, code not in the tree): the row's x loaded before its partials are polled, and
-# the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role): no faster, or slower.
+# the same with the norm weights read from the consumers' shared copy, not from global memory in every pass: the
+# default since run 181. The clock64 timers of run 179 (``probe_mhc_pre_diag.py``) have the normalizing warps busy
+# 98% of the kernel at M = 65536 (29% of it polling), so they pace it. Same bits (GPU file, run 180); timed in turn
+# against wg1-split-v2-normwg3 (the kernel, medians, ms at 65536 / 16384 / 4096): run 179 1.240 / 0.3161 / 0.0869
+# against 1.293 / 0.3246 / 0.0910, run 181 1.302 / 0.3302 / 0.0879 against 1.312 / 0.3297 / 0.0908
+CONFIGS["wg1-split-v2-normwg3-ws"] = dict(CONFIGS["wg1-split-v2-normwg3"], norm_w_smem=True)
+# Not kept (measured in runs 173-174 and 179-181, code not in the tree): the row's x loaded before its partials are
+# polled; the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role); the row
+# block's pre weights brought by TMA with its first stage; one stage-barrier arrival a warp instead of a thread;
+# four normalizing warps with the copies issued by the vector role: no faster, or slower (docs/performance.md).
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
-_ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-normwg3")
+_ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-normwg3-ws")
 if _ENV_CONFIG not in CONFIGS:
     raise ValueError(f"DSV41_MHC_PRE_TILELANG_CONFIG={_ENV_CONFIG!r}: not one of {sorted(CONFIGS)}")
 DEFAULT_CONFIG = CONFIGS[_ENV_CONFIG]

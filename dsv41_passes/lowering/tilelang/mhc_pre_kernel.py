@@ -50,18 +50,17 @@ Warpgroups (``mhc_pre.CONFIGS``; the measurements behind each step are in ``docs
   sums of squares pairs the same runs, so the bits are unchanged. 512 threads keep the launch's 128 registers
   (109 used, no spills). Run 123: 1.554 -> 1.443 ms at 65536; the profile then has L2 83% and DRAM 63% busy
   (run 124, M = 16384), and x partly goes out to DRAM and back before its normalization.
-* Slower (kept as configs): two rings on alternate row blocks (``rings=2``, run 108: twice the un-normalized x
-  waits in L2), 128-row blocks (``wgs=2``), the mid part streamed, ``lag`` 1 or 3. Measured and not in the tree:
-  the lo part resident (two stages fit: slower), the wgmma descriptors built once (1% faster, a CUDA
-  post-processing step), a sleep between polls (no change).
-* ``x_hints`` (config ``wg1-split-v2-xhints``): L2 eviction policies on the x stores (evict-last for the un-normalized
-  collapse, evict-first for the normalized one), against that DRAM round trip: run 130 cut the DRAM bytes by 8% and
-  not the time (the kernel is not DRAM-bound at 57-63% busy).
+* Slower or no faster (kept as configs, measured in ``docs/performance.md``): two rings on alternate row blocks
+  (``rings=2``), 128-row blocks (``wgs=2``), the mid part streamed, ``lag`` 1 or 3, L2 eviction policies on the x
+  stores (``x_hints``, config ``wg1-split-v2-xhints``: 8% fewer DRAM bytes, the same time).
 * ``norm_wg`` (config ``wg1-split-v2-normwg``): warps 2-3 of the producer warpgroup normalize each row block, handed
   over on an mbarrier ring, instead of the vector role a chunk a step; same bits, the same L2 bytes, 2% faster at
   prefill sizes and 5% slower at 4096 (runs 135, 137). On warps 1-3 (``norm_warps=3``, config
-  ``wg1-split-v2-normwg3``, the default since run 174) it is 2-9% faster than ``wg1-split-v2`` from M = 4096 up and
-  13% at 2048 (runs 173-174); each pass of these warps is a poll and a reload at L2 latency.
+  ``wg1-split-v2-normwg3``, the default from run 174 to 180) it is 2-9% faster than ``wg1-split-v2`` from M = 4096 up
+  and 13% at 2048 (runs 173-174); each pass of these warps is a poll and a reload at L2 latency.
+* ``norm_w_smem`` (config ``wg1-split-v2-normwg3-ws``, the default since run 181): those warps read the norm weights
+  from the consumers' shared copy. The ``diag`` timers (run 179) have them busy 98% of the kernel at M = 65536, so
+  they pace it; this takes 1-4% off (same bits).
 """
 
 # No ``from __future__ import annotations``: TileLang evaluates the prim_func annotations.
@@ -121,7 +120,8 @@ def _n24():
 # ----------------------------------------------------------------------------- kernel
 def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: int = 1, lag: int = LAG,
           mid_resident: bool = True, producer: bool = False, rings: int = 1, split_roles: bool = False,
-          vec_wgs: int = 1, x_hints: bool = False, norm_wg: bool = False, norm_warps: int = 2):
+          vec_wgs: int = 1, x_hints: bool = False, norm_wg: bool = False, norm_warps: int = 2,
+          norm_w_smem: bool = False, diag: str = ""):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
@@ -139,7 +139,11 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     ``norm_wg`` (with two vector warpgroups): warps 2 and 3 of the producer warpgroup, four threads a row, normalize
     each row block once its 16 slices have published their norm partials, instead of the vector role one chunk a
     step ``lag`` blocks behind (mbarriers ``xdone`` / ``xfree``, a ring of ``lag + 1``, hand the blocks over);
-    ``norm_warps`` 3: warps 1-3 do it, 24 rows a pass (warp 0 still issues the copies).
+    ``norm_warps`` 3: warps 1-3 do it, 24 rows a pass (warp 0 still issues the copies); ``norm_w_smem``: those warps
+    read the norm weights from the consumers' shared copy instead of global memory. ``diag`` (probe builds only,
+    ``benchmarks/probe_mhc_pre_diag.py``; comma-separated): "timers" has the first thread of each role (producer,
+    normalizing warps, dots, vector) count clock64 cycles waiting on its barriers and in all, written over xss at the
+    end; "nonorm", "novec", "nodots" and "noxstore" drop that work (wrong results by design).
 
     Arguments: ``h [M, 4d]`` bf16, ``hi/mid/lo [16, 4, 24, d/16]`` bf16 (slice-major parts), ``pre_prev
     [M, 4]`` f32, ``w [d]`` f32 -> ``x [M, d]`` bf16 (normalized), ``ws [nrb*16*64, 24]``, ``ss``,
@@ -162,6 +166,12 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         raise ValueError("TileLang mhc_pre: the normalizing warps need two vector warpgroups (and no x_hints)")
     if norm_warps not in (2, 3):
         raise ValueError(f"TileLang mhc_pre: the norm runs on warps 2-3 or 1-3 of the producer, got {norm_warps} warps")
+    flags = set(diag.split(",")) - {""}
+    if flags - {"timers", "nonorm", "novec", "nodots", "noxstore"}:
+        raise ValueError(f"TileLang mhc_pre: diag {diag!r}: not among timers, nonorm, novec, nodots, noxstore")
+    if norm_w_smem and not norm_wg:
+        raise ValueError("TileLang mhc_pre: norm_w_smem is for the normalizing warps (norm_wg)")
+    timers = "timers" in flags
     nt = 32 * norm_warps  # the normalizing threads (``norm_wg``): the producer warpgroup's last ones
     nring = lag + 1  # row blocks the vector role may run ahead of the normalizing warps (``norm_wg``)
     consumers = 128 * wgs * rings * (1 + vec_wgs if split_roles else 1)
@@ -187,8 +197,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     mc = kernel_macros(T, SimpleNamespace(
         S=S, d=d, eps=eps, m=m, BM=BM, SENTINEL=SENTINEL, ds=ds, bk=bk, nc=nc, bm=bm, wgs=wgs, groups=groups,
         rings=rings, nrun=nrun, vals=vals, run_col=run_col, x_hints=x_hints, mid_resident=mid_resident, lead=lead,
-        nt=nt, nring=nring))
+        nt=nt, nring=nring, flags=flags, norm_w_smem=norm_w_smem))
     pslot, row_rstd, store_x, norm_chunk, load_chunk = mc.pslot, mc.row_rstd, mc.store_x, mc.norm_chunk, mc.load_chunk
+    clock, timers_start, timers_write = mc.clock, mc.timers_start, mc.timers_write
     stream_dots, load_stream, issue, resident, normalize_blocks = (
         mc.stream_dots, mc.load_stream, mc.issue, mc.resident, mc.normalize_blocks)
 
@@ -216,6 +227,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
             sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red, prn = b.regs
             r = lt // tpr  # (the dots' role uses neither)
             hf = lt % tpr
+            timers_start(b.tm)
             if vec:  # the first row block's pre weights (``prn``: the next block's, loaded a block ahead)
                 row0 = (g + (ring if rings > 1 else 0) * groups) * bm + r
                 for k in T.unroll(HC):
@@ -235,7 +247,11 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                         row_rstd(xss, rb - lag * back, r, pv, red)
                     load_chunk(x, nrow, ncol, hf, xn)
                 if vec and norm_wg and c == 0 and j >= nring:  # the normalizing warps are done with block j - nring
+                    if timers:
+                        b.tc[0] = clock()
                     T.mbarrier_wait_parity(b.xfree[j % nring], (j // nring + 1) % 2)
+                    if timers:
+                        b.tm[1] += clock() - b.tc[0]
                 if c == 0:
                     if mma:
                         T.clear(acc_hi)
@@ -251,15 +267,19 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                             pr[k] = prn[k]
                         for k in T.unroll(HC):
                             prn[k] = T.if_then_else(row + back * bm < m, pre_prev[row + back * bm, k], 0.0)
+                if timers:
+                    b.tc[0] = clock()
                 T.mbarrier_wait_parity(full[st], (t // stages) % 2)
+                if timers:
+                    b.tm[0] += clock() - b.tc[0]
                 # 12 async wgmma groups: hi from zero per stream, mid and lo chained over the slice
-                if mma:
+                if mma and "nodots" not in flags:
                     stream_dots(a0, hi0, md0, mds, 0, lo0, sh0, acc_mid, acc_lo, st, c)
                     stream_dots(a1, hi1, md1, mds, 1, lo1, sh1, acc_mid, acc_lo, st, c)
                     stream_dots(a2, hi2, md2, mds, 2, lo2, sh2, acc_mid, acc_lo, st, c)
                     stream_dots(a3, hi3, md3, mds, 3, lo3, sh3, acc_mid, acc_lo, st, c)
                 # meanwhile: sums of squares and the collapse from the same shared tiles
-                if vec:
+                if vec and "novec" not in flags:
                     load_stream(a0, hv0, st, r, hf)
                     load_stream(a1, hv1, st, r, hf)
                     load_stream(a2, hv2, st, r, hf)
@@ -280,8 +300,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                             bf16,
                         )
                         xq[v] = T.ieee_fmaf(T.cast(xo[v], f32), T.cast(xo[v], f32), xq[v])
-                    store_x(x, row, col, hf, xo, "last")
-                if mma:
+                    if "noxstore" not in flags:
+                        store_x(x, row, col, hf, xo, "last")
+                if mma and "nodots" not in flags:
                     T.wait_wgmma(0)
                     for i, n in T.Parallel(bm, NMIX):
                         acc_hi[i, n] = T.ieee_add(
@@ -340,6 +361,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                     for c2 in T.serial(nc):
                         load_chunk(x, rbn * bm + r, s * ds + c2 * bk, hf, xn)
                         norm_chunk(x, w_s, rbn * bm + r, s * ds + c2 * bk, c2 * bk, hf, xn, wv, red)
+            timers_write(xss, g, s, 6 if mma else 9, lt, b.tm)  # (wait on full, wait on xfree, total)
 
         return consume
 
@@ -410,6 +432,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
             w_s = T.alloc_shared((ds,), f32)  # this slice's norm weights
             pv = T.alloc_local((S,), f32)
             red = T.alloc_local((2,), f32)
+            tm = T.alloc_local((4,), "int64")  # ``diag`` timers
+            tc = T.alloc_local((1,), "int64")
             tx = T.get_thread_binding()
             nrb = T.ceildiv(m, bm)
             nloc = T.ceildiv(nrb - g, groups)  # row blocks of this CTA (0 when g >= nrb)
@@ -424,13 +448,20 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                     if tx < 32 * rings:  # warp ``ring`` fills that ring
                         ring = tx // 32 if rings > 1 else 0
                         base = ring * stages if rings > 1 else 0
+                        timers_start(tm)
                         for q in T.serial(ring_blocks(nloc, ring) * nc):
                             st = base + q % stages
                             if q >= stages:  # use n of a stage waits for the release of use n - 1
+                                if timers:
+                                    tc[0] = clock()
                                 T.mbarrier_wait_parity(empty[st], ((q // stages) + 1) % 2)
+                                if timers:
+                                    tm[0] += clock() - tc[0]
                             issue(h, wlo, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds, full, ring)
+                        timers_write(xss, g, s, 0, tx, tm)  # (wait on empty, -, total)
                     if norm_wg and tx >= 128 - nt:
-                        normalize_blocks(x, nw, xss, s, g, nloc, tx - (128 - nt), xdone, xfree, xr, wr, pv, red)
+                        normalize_blocks(x, nw, w_s, xss, s, g, nloc, tx - (128 - nt), xdone, xfree, xr, wr, pv,
+                                         red, tm, tc)
             else:
                 resident(whi, wmid, s, hi0, hi1, hi2, hi3, md0, md1, md2, md3, wbar)
             if (not producer) or tx >= 128:
@@ -450,7 +481,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                     smem=(a0, a1, a2, a3, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, md0, md1, md2, md3, mds),
                     full=full, empty=empty if producer else None,
                     xdone=xdone if norm_wg else None, xfree=xfree if norm_wg else None,
-                    regs=(sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red, prn))
+                    regs=(sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red, prn), tm=tm, tc=tc)
                 if split_roles:  # warpgroup 1 issues the dots, warpgroup 2 (and 3) does the rest
                     if tx < 256:
                         consumer(0, "mma")(nloc, frags[0], tx - 128, b)

@@ -16,11 +16,35 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
     ds, bk, nc, bm, wgs, groups, rings = g.ds, g.bk, g.nc, g.bm, g.wgs, g.groups, g.rings
     nrun, vals, run_col, x_hints, mid_resident, lead, nt, nring = (
         g.nrun, g.vals, g.run_col, g.x_hints, g.mid_resident, g.lead, g.nt, g.nring)
+    flags, norm_w_smem = g.flags, g.norm_w_smem
+    timers = "timers" in flags
     bf16, f32 = "bfloat16", "float32"
 
     def pslot(rb, r, s2):
         """Index of row r of kernel row block rb, slice s2, in the 64-row partial layout."""
         return ((rb * wgs + r // BM) * S + s2) * BM + r % BM
+
+    def clock():
+        """The SM cycle counter (``diag`` timers)."""
+        return T.call_extern("int64", "clock64")
+
+    @T.macro
+    def timers_start(tm):
+        """``diag`` timers: zero the counters, tm[2] <- now."""
+        if timers:
+            for k in T.unroll(4):
+                tm[k] = T.int64(0)
+            tm[2] = clock()
+
+    @T.macro
+    def timers_write(xss, g, s, first, lt, tm):
+        """``diag`` timers: tm[2] <- cycles since ``timers_start``; thread 0 of the role writes tm[0:3] as floats over
+        xss rows ``first`` to ``first + 2`` of its CTA's first row block (a probe reads them after the launch)."""
+        if timers:
+            tm[2] = clock() - tm[2]
+            if lt == 0:
+                for k in T.unroll(3):
+                    xss[pslot(g, first + k, s)] = T.cast(tm[k], f32)
 
     def normed(w, xv, rstd):
         """bf16(w * (x * rstd)) of one un-normalized bf16 value (the norm's rounding, wherever it runs)."""
@@ -131,33 +155,48 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
         T.mbarrier_arrive(wbar[0])
 
     @T.macro
-    def normalize_blocks(x, nw, xss, s, g, nloc, lt, xdone, xfree, xr, wr, pv, red):
+    def normalize_blocks(x, nw, w_s, xss, s, g, nloc, lt, xdone, xfree, xr, wr, pv, red, tm, tc):
         """``norm_wg`` (thread ``lt`` of the ``nt``): each of the CTA's row blocks in order, once the vector role has
         stored it (``xdone``); four threads a row (8 columns of each chunk, so a warp's access covers 8 rows x 64
         contiguous bytes), ``nt / 4`` rows a pass, a row's whole slice loaded at once once its 16 slices have published
-        their norm partials; then the block's ring slot is free (``xfree``)."""
+        their norm partials; then the block's ring slot is free (``xfree``). ``norm_w_smem``: the weights from ``w_s``
+        (the consumers wrote it before their first ``xdone`` arrival)."""
         q = lt % 4
+        timers_start(tm)
         for jj in T.serial(nloc):
             rbn = g + jj * groups
+            if timers:
+                tc[0] = clock()
             T.mbarrier_wait_parity(xdone[jj % nring], (jj // nring) % 2)
-            for p in T.serial(T.ceildiv(BM, nt // 4)):
+            if timers:
+                tm[0] += clock() - tc[0]
+            for p in T.serial(0 if "nonorm" in flags else T.ceildiv(BM, nt // 4)):
                 r = p * (nt // 4) + lt // 4
                 row = rbn * bm + r
                 if r < BM:
+                    if timers:
+                        tc[0] = clock()
                     row_rstd(xss, rbn, r, pv, red)
+                    if timers:
+                        tm[1] += clock() - tc[0]
                 if T.And(r < BM, row < m):
                     for c2 in T.unroll(nc):
                         for e in T.vectorized(8):
                             xr[c2 * 8 + e] = x[row, s * ds + c2 * bk + q * 8 + e]
                     for c2 in T.unroll(nc):
                         for e in T.vectorized(8):
-                            wr[e] = nw[s * ds + c2 * bk + q * 8 + e]
+                            if norm_w_smem:
+                                wr[e] = w_s[c2 * bk + q * 8 + e]
+                            else:
+                                wr[e] = nw[s * ds + c2 * bk + q * 8 + e]
                         for e in T.unroll(8):
                             xr[c2 * 8 + e] = normed(wr[e], xr[c2 * 8 + e], red[1])
                         for e in T.vectorized(8):
                             x[row, s * ds + c2 * bk + q * 8 + e] = xr[c2 * 8 + e]
             T.mbarrier_arrive(xfree[jj % nring])
+        timers_write(xss, g, s, 3, lt, tm)  # (wait on xdone, polls, total)
 
     return SimpleNamespace(pslot=pslot, normed=normed, row_rstd=row_rstd, store_x=store_x, norm_chunk=norm_chunk,
                            load_chunk=load_chunk, stream_dots=stream_dots, load_stream=load_stream, issue=issue,
-                           resident=resident, normalize_blocks=normalize_blocks)
+                           resident=resident, normalize_blocks=normalize_blocks, clock=clock,
+                           timers_start=timers_start, timers_write=timers_write)

@@ -1,0 +1,82 @@
+"""Where the TileLang mhc_pre kernel's time goes: variants of the default config (build options as JSON; ``diag`` ones
+drop a role's work or add clock64 timers, ``mhc_pre_kernel.build``), the kernel alone timed in turn with the default
+(each call also refills the xss sentinel), its bits (x, ws, ss) against the default's, and for "timers" builds each
+role's cycles: waiting on its barriers and in all (medians over the CTAs, thousands of cycles and shares of the
+role's total; read back from xss).
+
+    source .devsite/setup.sh && python3 benchmarks/probe_mhc_pre_diag.py 65536,16384 \
+        'ws={"norm_w_smem": true}' 'tim={"diag": "timers"}' 'cut={"diag": "timers,nonorm"}'
+"""
+import json
+import sys
+
+import torch
+
+sys.path.insert(0, ".")
+from benchmarks.common import time_interleaved  # noqa: E402
+from benchmarks.probe_mhc_pre_tilelang import _inputs  # noqa: E402
+from dsv41_passes.lowering.mhc_weights import NUM_SLICES  # noqa: E402
+from dsv41_passes.lowering.tilelang import mhc_pre as tlp  # noqa: E402
+
+S = NUM_SLICES
+ROLES = {"producer": ("wait empty", "-", "total"), "norm": ("wait xdone", "polls", "total"),
+         "dots": ("wait full", "-", "total"), "vec": ("wait full", "wait xfree", "total")}
+
+
+def main():
+    ms = [int(a) for a in sys.argv[1].split(",")]
+    variants = {"base": {}}
+    for spec in sys.argv[2:]:
+        name, _, opts = spec.partition("=")
+        variants[name] = json.loads(opts)
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    groups = tlp.groups_for(sm)
+    for m in ms:
+        h, pp, parts, sliced, scale, base, w = _inputs(m)
+        nrb = -(-m // 64)
+        rows = nrb * S * 64
+        fns, outs, timers = {}, {}, {}
+        for name, opts in variants.items():
+            cfg = dict(tlp.DEFAULT_CONFIG, **opts)
+            k = tlp._kernel(5120, groups, 1e-6, cfg)
+            x = torch.empty(m, 5120, dtype=torch.bfloat16, device="cuda")
+            ws = torch.empty(rows, 24, device="cuda")
+            ss = torch.empty(rows, device="cuda")
+            xss = torch.empty(rows, device="cuda")
+
+            def run(k=k, x=x, ws=ws, ss=ss, xss=xss):
+                xss.fill_(tlp.SENTINEL)
+                k(h.view(m, -1), sliced[0], sliced[1], sliced[2], pp, w, x, ws, ss, xss)
+            run()
+            torch.cuda.synchronize()
+            fns[name] = run
+            outs[name] = (x.clone(), ws.clone(), ss.clone())
+            if "timers" in cfg.get("diag", ""):
+                t = []
+                for cta in range(groups * S):
+                    g, s = divmod(cta, S)
+                    t.append([xss[((g * S) + s) * 64 + r].item() for r in range(12)])
+                timers[name] = torch.tensor(t)
+        same = {n: all(torch.equal(a, b) for a, b in zip(o, outs["base"])) for n, o in outs.items()}
+        times = time_interleaved(fns, rounds=8)
+        print(f"\n## M = {m}\n\n| variant | same bits as base | ms (median) | ms (min) |\n|---|---|---|---|")
+        for n, (med, low) in times.items():
+            print(f"| {n} {json.dumps(variants[n])} | {same[n]} | {med:.4f} | {low:.4f} |")
+        print("\nTimers: medians over the CTAs, thousands of cycles (and fractions of the role's total)\n")
+        print("| variant | " + " | ".join(f"{role}: {c}" for role, cs in ROLES.items() for c in cs if c != "-") + " |")
+        print("|---|" + "---|" * sum(c != "-" for cs in ROLES.values() for c in cs))
+        for n, t in timers.items():
+            cells = []
+            for i, (role, cs) in enumerate(ROLES.items()):
+                tot = t[:, 3 * i + 2]
+                for j, c in enumerate(cs):
+                    if c == "-":
+                        continue
+                    v = t[:, 3 * i + j]
+                    share = "" if j == 2 else f" ({(v / tot).median().item():.2f})"
+                    cells.append(f"{v.median().item() / 1e3:.0f}{share}")
+            print(f"| {n} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
