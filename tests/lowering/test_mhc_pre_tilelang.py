@@ -80,7 +80,8 @@ def test_kernel_rejects_what_it_cannot_run():
 
 @pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-producer", "wg1-split",
                                   "wg1-split-v2", "wg1-split-v2-xhints", "wg1-split-v2-normwg",
-                                  "wg1-split-v2-normwg3", "wg1-split-v2-normwg3-ws"])
+                                  "wg1-split-v2-normwg3", "wg1-split-v2-normwg3-ws",
+                                  "wg1-split-v2-normwg3-ws-rs"])
 def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     """The sm_90a build: one wgmma shape (m64n24k16, the 24 mix columns unpadded), rounding spelled out
     (no contraction: nvcc --fmad=false and explicit __f*_rn), the residual loads by TMA with the
@@ -134,9 +135,10 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     if cfg.get("x_hints"):  # the plain x stores, once in the step and in the lagged norm, through the hinted helpers
         assert "createpolicy.fractional.L2::" in src and "st.global.L2::cache_hint.v4.b32" in src
         assert src.count("dsv41_st16_evict_last(") == 1 and src.count("dsv41_st16_evict_first(") == 2
-    shapes = set(re.findall(r"wgmma_ss<[^>]*kFloat32, (\d+), (\d+), (\d+),", src))
+    shapes = set(re.findall(r"wgmma_[rs]s<[^>]*kFloat32, (\d+), (\d+), (\d+),", src))
     assert shapes == {("64", "24", "16")}, shapes
-    assert src.count("wgmma_ss<") == 12 * rings  # 4 streams x (hi, mid, lo) a step
+    wgmma = "wgmma_rs<" if cfg.get("dots_rs") else "wgmma_ss<"  # A from registers (dots_rs) or shared memory
+    assert src.count(wgmma) == 12 * rings == src.count("wgmma_ss<") + src.count("wgmma_rs<")  # 4 streams x 3 parts
     assert "tma_load<tl::CacheHintSm90::EVICT_FIRST>(h_desc" in src
     assert "__fmaf_rn" in src and "__fdiv_rn" in src and "__fsqrt_rn" in src
     offsets = [int(v) for v in re.findall(r"buf_dyn_shmem \+ (\d+)\)", src)]
@@ -173,7 +175,8 @@ def _skip_without_tilelang():
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-producer", "wg1-split",
                                   "wg1-split-v2", "wg1-split-v2-xhints", "wg1-split-v2-normwg",
-                                  "wg1-split-v2-normwg3", "wg1-split-v2-normwg3-ws"])
+                                  "wg1-split-v2-normwg3", "wg1-split-v2-normwg3-ws",
+                                  "wg1-split-v2-normwg3-ws-rs"])
 @pytest.mark.parametrize("m", [1, 4096, 4097, 65536])
 def test_gpu_matches_the_triton_kernel(m, name):
     """x, pre, post and comb against the Triton mhc_pre; bitwise is the goal (same numerics, n24 instead
@@ -326,7 +329,8 @@ def test_two_vector_warpgroups_need_split_roles():
 
 
 def test_build_options_are_checked():
-    """``diag`` takes only its known flags, and ``norm_w_smem`` only goes with the normalizing warps."""
+    """``diag`` takes only its known flags, ``norm_w_smem`` only goes with the normalizing warps and ``dots_rs`` with
+    split roles."""
     from dsv41_passes.lowering.tilelang import mhc_pre as tlp
 
     pytest.importorskip("tilelang")
@@ -334,6 +338,8 @@ def test_build_options_are_checked():
         tlp.build(FLASH_D, 8, EPS, **dict(tlp.DEFAULT_CONFIG, diag="timers,nosq"))
     with pytest.raises(ValueError, match="norm_w_smem is for the normalizing warps"):
         tlp.build(FLASH_D, 8, EPS, **dict(tlp.CONFIGS["wg1-split-v2"], norm_w_smem=True))
+    with pytest.raises(ValueError, match="dots_rs needs split roles and the mid part resident"):
+        tlp.build(FLASH_D, 8, EPS, **dict(tlp.CONFIGS["wg1-producer"], dots_rs=True))
 
 
 def test_diag_timers_build(tmp_path, monkeypatch):

@@ -104,6 +104,10 @@ CONFIGS["wg1-split-v2-normwg3"] = dict(CONFIGS["wg1-split-v2-normwg"], norm_warp
 # against wg1-split-v2-normwg3 (the kernel, medians, ms at 65536 / 16384 / 4096): run 179 1.240 / 0.3161 / 0.0869
 # against 1.293 / 0.3246 / 0.0910, run 181 1.302 / 0.3302 / 0.0879 against 1.312 / 0.3297 / 0.0908
 CONFIGS["wg1-split-v2-normwg3-ws"] = dict(CONFIGS["wg1-split-v2-normwg3"], norm_w_smem=True)
+# the same with each stream's A tile copied into the dots' registers once a step, read by its three wgmmas from there
+# (wgmma_rs) instead of from shared memory three times: 16 KB of shared-memory reads a step for A instead of 48.
+# Written and built for sm_90a (no spills), not yet run on the GPU: no time or bits measured.
+CONFIGS["wg1-split-v2-normwg3-ws-rs"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"], dots_rs=True)
 # Not kept (measured in runs 173-174 and 179-181, code not in the tree): the row's x loaded before its partials are
 # polled; the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role); the row
 # block's pre weights brought by TMA with its first stage; one stage-barrier arrival a warp instead of a thread;

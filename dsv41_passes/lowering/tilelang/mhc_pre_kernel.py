@@ -121,7 +121,7 @@ def _n24():
 def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: int = 1, lag: int = LAG,
           mid_resident: bool = True, producer: bool = False, rings: int = 1, split_roles: bool = False,
           vec_wgs: int = 1, x_hints: bool = False, norm_wg: bool = False, norm_warps: int = 2,
-          norm_w_smem: bool = False, diag: str = ""):
+          norm_w_smem: bool = False, diag: str = "", dots_rs: bool = False):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
@@ -140,7 +140,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     each row block once its 16 slices have published their norm partials, instead of the vector role one chunk a
     step ``lag`` blocks behind (mbarriers ``xdone`` / ``xfree``, a ring of ``lag + 1``, hand the blocks over);
     ``norm_warps`` 3: warps 1-3 do it, 24 rows a pass (warp 0 still issues the copies); ``norm_w_smem``: those warps
-    read the norm weights from the consumers' shared copy instead of global memory. ``diag`` (probe builds only,
+    read the norm weights from the consumers' shared copy instead of global memory; ``dots_rs`` (split roles): the
+    dots' warpgroup copies each stream's A tile into registers once a step and its three wgmmas read it from there
+    (register-A ``wgmma_rs``), not from shared memory three times. ``diag`` (probe builds only,
     ``benchmarks/probe_mhc_pre_diag.py``; comma-separated): "timers" has the first thread of each role (producer,
     normalizing warps, dots, vector) count clock64 cycles waiting on its barriers and in all, written over xss at the
     end; "nonorm", "novec", "nodots" and "noxstore" drop that work (wrong results by design).
@@ -169,6 +171,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     flags = set(diag.split(",")) - {""}
     if flags - {"timers", "nonorm", "novec", "nodots", "noxstore"}:
         raise ValueError(f"TileLang mhc_pre: diag {diag!r}: not among timers, nonorm, novec, nodots, noxstore")
+    if dots_rs and not (split_roles and mid_resident):
+        raise ValueError("TileLang mhc_pre: dots_rs needs split roles and the mid part resident")
     if norm_w_smem and not norm_wg:
         raise ValueError("TileLang mhc_pre: norm_w_smem is for the normalizing warps (norm_wg)")
     timers = "timers" in flags
@@ -197,7 +201,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     mc = kernel_macros(T, SimpleNamespace(
         S=S, d=d, eps=eps, m=m, BM=BM, SENTINEL=SENTINEL, ds=ds, bk=bk, nc=nc, bm=bm, wgs=wgs, groups=groups,
         rings=rings, nrun=nrun, vals=vals, run_col=run_col, x_hints=x_hints, mid_resident=mid_resident, lead=lead,
-        nt=nt, nring=nring, flags=flags, norm_w_smem=norm_w_smem))
+        nt=nt, nring=nring, flags=flags, norm_w_smem=norm_w_smem, dots_rs=dots_rs))
     pslot, row_rstd, store_x, norm_chunk, load_chunk = mc.pslot, mc.row_rstd, mc.store_x, mc.norm_chunk, mc.load_chunk
     clock, timers_start, timers_write = mc.clock, mc.timers_start, mc.timers_write
     stream_dots, load_stream, issue, resident, normalize_blocks = (
@@ -274,10 +278,10 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                     b.tm[0] += clock() - b.tc[0]
                 # 12 async wgmma groups: hi from zero per stream, mid and lo chained over the slice
                 if mma and "nodots" not in flags:
-                    stream_dots(a0, hi0, md0, mds, 0, lo0, sh0, acc_mid, acc_lo, st, c)
-                    stream_dots(a1, hi1, md1, mds, 1, lo1, sh1, acc_mid, acc_lo, st, c)
-                    stream_dots(a2, hi2, md2, mds, 2, lo2, sh2, acc_mid, acc_lo, st, c)
-                    stream_dots(a3, hi3, md3, mds, 3, lo3, sh3, acc_mid, acc_lo, st, c)
+                    stream_dots(a0, hi0, md0, mds, 0, lo0, sh0, acc_mid, acc_lo, st, c, b.ar[0])
+                    stream_dots(a1, hi1, md1, mds, 1, lo1, sh1, acc_mid, acc_lo, st, c, b.ar[1])
+                    stream_dots(a2, hi2, md2, mds, 2, lo2, sh2, acc_mid, acc_lo, st, c, b.ar[2])
+                    stream_dots(a3, hi3, md3, mds, 3, lo3, sh3, acc_mid, acc_lo, st, c, b.ar[3])
                 # meanwhile: sums of squares and the collapse from the same shared tiles
                 if vec and "novec" not in flags:
                     load_stream(a0, hv0, st, r, hf)
@@ -432,6 +436,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
             w_s = T.alloc_shared((ds,), f32)  # this slice's norm weights
             pv = T.alloc_local((S,), f32)
             red = T.alloc_local((2,), f32)
+            ar = [T.alloc_fragment((bm, bk), bf16) for _ in range(HC)] if dots_rs else [None] * HC
             tm = T.alloc_local((4,), "int64")  # ``diag`` timers
             tc = T.alloc_local((1,), "int64")
             tx = T.get_thread_binding()
@@ -481,7 +486,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                     smem=(a0, a1, a2, a3, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, md0, md1, md2, md3, mds),
                     full=full, empty=empty if producer else None,
                     xdone=xdone if norm_wg else None, xfree=xfree if norm_wg else None,
-                    regs=(sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red, prn), tm=tm, tc=tc)
+                    regs=(sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red, prn), tm=tm, tc=tc, ar=ar)
                 if split_roles:  # warpgroup 1 issues the dots, warpgroup 2 (and 3) does the rest
                     if tx < 256:
                         consumer(0, "mma")(nloc, frags[0], tx - 128, b)

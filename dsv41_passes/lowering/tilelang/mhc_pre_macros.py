@@ -99,14 +99,20 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                     xn[u * 8 + e] = x[row, col2 + run_col(hf, u) + e]
 
     @T.macro
-    def stream_dots(a, hi, md, mds, k, lo, sh, acc_mid, acc_lo, st, c):
+    def stream_dots(a, hi, md, mds, k, lo, sh, acc_mid, acc_lo, st, c, ar):
         """Stream k's three dots of a step (async): hi from zero into sh, mid and lo chained."""
-        T.wgmma_gemm(a[st, :, :], hi[:, c * bk:(c + 1) * bk], sh, transpose_B=True, clear_accum=True)
-        if mid_resident:
-            T.wgmma_gemm(a[st, :, :], md[:, c * bk:(c + 1) * bk], acc_mid, transpose_B=True)
+        if g.dots_rs:
+            T.copy(a[st, :, :], ar)
+            T.wgmma_gemm(ar, hi[:, c * bk:(c + 1) * bk], sh, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(ar, md[:, c * bk:(c + 1) * bk], acc_mid, transpose_B=True)
+            T.wgmma_gemm(ar, lo[st, :, :], acc_lo, transpose_B=True)
         else:
-            T.wgmma_gemm(a[st, :, :], mds[st, k, :, :], acc_mid, transpose_B=True)
-        T.wgmma_gemm(a[st, :, :], lo[st, :, :], acc_lo, transpose_B=True)
+            T.wgmma_gemm(a[st, :, :], hi[:, c * bk:(c + 1) * bk], sh, transpose_B=True, clear_accum=True)
+            if mid_resident:
+                T.wgmma_gemm(a[st, :, :], md[:, c * bk:(c + 1) * bk], acc_mid, transpose_B=True)
+            else:
+                T.wgmma_gemm(a[st, :, :], mds[st, k, :, :], acc_mid, transpose_B=True)
+            T.wgmma_gemm(a[st, :, :], lo[st, :, :], acc_lo, transpose_B=True)
 
     @T.macro
     def load_stream(a, hv, st, r, hf):
