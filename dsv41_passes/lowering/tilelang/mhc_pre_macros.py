@@ -16,7 +16,7 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
     ds, bk, nc, bm, wgs, groups, rings = g.ds, g.bk, g.nc, g.bm, g.wgs, g.groups, g.rings
     nrun, vals, run_col, x_hints, mid_resident, lead, nt, nring = (
         g.nrun, g.vals, g.run_col, g.x_hints, g.mid_resident, g.lead, g.nt, g.nring)
-    flags, norm_w_smem = g.flags, g.norm_w_smem
+    flags, norm_w_smem, dots_rs = g.flags, g.norm_w_smem, g.dots_rs
     timers = "timers" in flags
     bf16, f32 = "bfloat16", "float32"
 
@@ -101,7 +101,7 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
     @T.macro
     def stream_dots(a, hi, md, mds, k, lo, sh, acc_mid, acc_lo, st, c, ar):
         """Stream k's three dots of a step (async): hi from zero into sh, mid and lo chained."""
-        if g.dots_rs:
+        if dots_rs:  # A copied into registers once, read by the three wgmmas (wgmma_rs)
             T.copy(a[st, :, :], ar)
             T.wgmma_gemm(ar, hi[:, c * bk:(c + 1) * bk], sh, transpose_B=True, clear_accum=True)
             T.wgmma_gemm(ar, md[:, c * bk:(c + 1) * bk], acc_mid, transpose_B=True)
