@@ -81,7 +81,7 @@ def test_kernel_rejects_what_it_cannot_run():
 @pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-producer", "wg1-split",
                                   "wg1-split-v2", "wg1-split-v2-xhints", "wg1-split-v2-normwg",
                                   "wg1-split-v2-normwg3", "wg1-split-v2-normwg3-ws",
-                                  "wg1-split-v2-normwg3-ws-rs"])
+                                  "wg1-split-v2-normwg3-ws-rs", "wg1-split-v2-normwg3-ws-pp"])
 def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     """The sm_90a build: one wgmma shape (m64n24k16, the 24 mix columns unpadded), rounding spelled out
     (no contraction: nvcc --fmad=false and explicit __f*_rn), the residual loads by TMA with the
@@ -128,7 +128,9 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     if cfg.get("norm_wg"):  # warps 2-3 (or 1-3) alone poll the norm partials; the vector role hands blocks over, back
         front, vector = src.split("if (256 <= ((int)threadIdx.x)) {")
         first = 128 - 32 * cfg.get("norm_warps", 2)
-        assert src.count("AtomicLoad") == 1 and f"if ({first} <= ((int)threadIdx.x)) {{" in front.split("AtomicLoad")[0]
+        polls = 3 if cfg.get("norm_prepoll") else 1  # with norm_prepoll: before xdone, a pass ahead, and the re-poll
+        assert src.count("AtomicLoad") == polls
+        assert f"if ({first} <= ((int)threadIdx.x)) {{" in front.split("AtomicLoad")[0]
         assert "xdone[" in vector and "].arrive();" in vector and "xfree[" in vector and "].wait(" in vector
         # their weights: from the consumers' shared copy with norm_w_smem (nw is then read once, into w_s)
         assert ("(nw + " in front) != bool(cfg.get("norm_w_smem")) and src.count(" = nw[") == 1
@@ -176,7 +178,7 @@ def _skip_without_tilelang():
 @pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-producer", "wg1-split",
                                   "wg1-split-v2", "wg1-split-v2-xhints", "wg1-split-v2-normwg",
                                   "wg1-split-v2-normwg3", "wg1-split-v2-normwg3-ws",
-                                  "wg1-split-v2-normwg3-ws-rs"])
+                                  "wg1-split-v2-normwg3-ws-rs", "wg1-split-v2-normwg3-ws-pp"])
 @pytest.mark.parametrize("m", [1, 4096, 4097, 65536])
 def test_gpu_matches_the_triton_kernel(m, name):
     """x, pre, post and comb against the Triton mhc_pre; bitwise is the goal (same numerics, n24 instead
@@ -336,7 +338,7 @@ def test_build_options_are_checked():
     pytest.importorskip("tilelang")
     with pytest.raises(ValueError, match="diag 'timers,nosq'"):
         tlp.build(FLASH_D, 8, EPS, **dict(tlp.DEFAULT_CONFIG, diag="timers,nosq"))
-    with pytest.raises(ValueError, match="norm_w_smem is for the normalizing warps"):
+    with pytest.raises(ValueError, match="norm_w_smem and norm_prepoll are for the normalizing warps"):
         tlp.build(FLASH_D, 8, EPS, **dict(tlp.CONFIGS["wg1-split-v2"], norm_w_smem=True))
     with pytest.raises(ValueError, match="dots_rs needs split roles and the mid part resident"):
         tlp.build(FLASH_D, 8, EPS, **dict(tlp.CONFIGS["wg1-producer"], dots_rs=True))

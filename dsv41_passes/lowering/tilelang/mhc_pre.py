@@ -108,6 +108,10 @@ CONFIGS["wg1-split-v2-normwg3-ws"] = dict(CONFIGS["wg1-split-v2-normwg3"], norm_
 # (wgmma_rs) instead of from shared memory three times: 16 KB of shared-memory reads a step for A instead of 48.
 # Written and built for sm_90a (no spills), not yet run on the GPU: no time or bits measured.
 CONFIGS["wg1-split-v2-normwg3-ws-rs"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"], dots_rs=True)
+# the default with the normalizing warps' polls issued a pass ahead (``norm_prepoll``: the next pass's partials are
+# loaded before this pass's normalization, a block's first before its xdone wait; the polls are 29-36% of these warps'
+# time in runs 179 and 181). Written and built for sm_90a (no spills), not yet run on the GPU: no time or bits measured.
+CONFIGS["wg1-split-v2-normwg3-ws-pp"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"], norm_prepoll=True)
 # Not kept (measured in runs 173-174 and 179-181, code not in the tree): the row's x loaded before its partials are
 # polled; the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role); the row
 # block's pre weights brought by TMA with its first stage; one stage-barrier arrival a warp instead of a thread;

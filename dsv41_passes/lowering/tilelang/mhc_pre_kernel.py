@@ -121,7 +121,7 @@ def _n24():
 def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: int = 1, lag: int = LAG,
           mid_resident: bool = True, producer: bool = False, rings: int = 1, split_roles: bool = False,
           vec_wgs: int = 1, x_hints: bool = False, norm_wg: bool = False, norm_warps: int = 2,
-          norm_w_smem: bool = False, diag: str = "", dots_rs: bool = False):
+          norm_w_smem: bool = False, diag: str = "", dots_rs: bool = False, norm_prepoll: bool = False):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
@@ -142,7 +142,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     ``norm_warps`` 3: warps 1-3 do it, 24 rows a pass (warp 0 still issues the copies); ``norm_w_smem``: those warps
     read the norm weights from the consumers' shared copy instead of global memory; ``dots_rs`` (split roles): the
     dots' warpgroup copies each stream's A tile into registers once a step and its three wgmmas read it from there
-    (register-A ``wgmma_rs``), not from shared memory three times. ``diag`` (probe builds only,
+    (register-A ``wgmma_rs``), not from shared memory three times; ``norm_prepoll`` (``norm_wg``): the normalizing
+    warps load a pass's partials a pass ahead (``normalize_blocks``). ``diag`` (probe builds only,
     ``benchmarks/probe_mhc_pre_diag.py``; comma-separated): "timers" has the first thread of each role (producer,
     normalizing warps, dots, vector) count clock64 cycles waiting on its barriers and in all, written over xss at the
     end; "nonorm", "novec", "nodots" and "noxstore" drop that work (wrong results by design).
@@ -173,8 +174,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         raise ValueError(f"TileLang mhc_pre: diag {diag!r}: not among timers, nonorm, novec, nodots, noxstore")
     if dots_rs and not (split_roles and mid_resident):
         raise ValueError("TileLang mhc_pre: dots_rs needs split roles and the mid part resident")
-    if norm_w_smem and not norm_wg:
-        raise ValueError("TileLang mhc_pre: norm_w_smem is for the normalizing warps (norm_wg)")
+    if (norm_w_smem or norm_prepoll) and not norm_wg:
+        raise ValueError("TileLang mhc_pre: norm_w_smem and norm_prepoll are for the normalizing warps (norm_wg)")
     timers = "timers" in flags
     nt = 32 * norm_warps  # the normalizing threads (``norm_wg``): the producer warpgroup's last ones
     nring = lag + 1  # row blocks the vector role may run ahead of the normalizing warps (``norm_wg``)
@@ -201,7 +202,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     mc = kernel_macros(T, SimpleNamespace(
         S=S, d=d, eps=eps, m=m, BM=BM, SENTINEL=SENTINEL, ds=ds, bk=bk, nc=nc, bm=bm, wgs=wgs, groups=groups,
         rings=rings, nrun=nrun, vals=vals, run_col=run_col, x_hints=x_hints, mid_resident=mid_resident, lead=lead,
-        nt=nt, nring=nring, flags=flags, norm_w_smem=norm_w_smem, dots_rs=dots_rs))
+        nt=nt, nring=nring, flags=flags, norm_w_smem=norm_w_smem, dots_rs=dots_rs,
+        norm_prepoll=norm_prepoll))
     pslot, row_rstd, store_x, norm_chunk, load_chunk = mc.pslot, mc.row_rstd, mc.store_x, mc.norm_chunk, mc.load_chunk
     clock, timers_start, timers_write = mc.clock, mc.timers_start, mc.timers_write
     stream_dots, load_stream, issue, resident, normalize_blocks = (

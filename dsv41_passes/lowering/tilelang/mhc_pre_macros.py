@@ -16,7 +16,7 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
     ds, bk, nc, bm, wgs, groups, rings = g.ds, g.bk, g.nc, g.bm, g.wgs, g.groups, g.rings
     nrun, vals, run_col, x_hints, mid_resident, lead, nt, nring = (
         g.nrun, g.vals, g.run_col, g.x_hints, g.mid_resident, g.lead, g.nt, g.nring)
-    flags, norm_w_smem, dots_rs = g.flags, g.norm_w_smem, g.dots_rs
+    flags, norm_w_smem, dots_rs, norm_prepoll = g.flags, g.norm_w_smem, g.dots_rs, g.norm_prepoll
     timers = "timers" in flags
     bf16, f32 = "bfloat16", "float32"
 
@@ -51,17 +51,34 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
         return T.cast(T.ieee_mul(w, T.ieee_mul(T.cast(xv, f32), rstd)), bf16)
 
     @T.macro
-    def row_rstd(xss, rbn, r, pv, red):
+    def poll_issue(xss, rbn, r, pv):
+        """pv <- row r's 16 slice partials as they are now (relaxed loads from L2; checked by ``row_rstd``)."""
+        for s2 in T.unroll(S):
+            pv[s2] = T.atomic_load(xss[pslot(rbn, r, s2)], memory_order="relaxed")
+
+    @T.macro
+    def row_rstd(xss, rbn, r, pv, red, polled=False):
         """red[1] <- rsqrt factor of row r of row block rbn, once its 16 slice partials are published
-        (relaxed loads from L2, polled; the values are the only data read, so no fence is needed)."""
-        for _ in T.serial(m + (1 << 30)):  # a ``while`` is not accepted here; a runtime bound is not unrolled
-            for s2 in T.unroll(S):
-                pv[s2] = T.atomic_load(xss[pslot(rbn, r, s2)], memory_order="relaxed")
-            red[0] = 0.0
-            for s2 in T.unroll(S):
-                red[0] = T.if_then_else(pv[s2] == SENTINEL, 1.0, red[0])
-            if red[0] == 0.0:
-                T.loop_break()
+        (relaxed loads from L2, polled; the values are the only data read, so no fence is needed); ``polled``: pv
+        already holds a first poll (``poll_issue``)."""
+        if polled:
+            for it in T.serial(m + (1 << 30)):
+                if it > 0:
+                    poll_issue(xss, rbn, r, pv)
+                red[0] = 0.0
+                for s2 in T.unroll(S):
+                    red[0] = T.if_then_else(pv[s2] == SENTINEL, 1.0, red[0])
+                if red[0] == 0.0:
+                    T.loop_break()
+        else:
+            for _ in T.serial(m + (1 << 30)):  # a ``while`` is not accepted here; a runtime bound is not unrolled
+                for s2 in T.unroll(S):
+                    pv[s2] = T.atomic_load(xss[pslot(rbn, r, s2)], memory_order="relaxed")
+                red[0] = 0.0
+                for s2 in T.unroll(S):
+                    red[0] = T.if_then_else(pv[s2] == SENTINEL, 1.0, red[0])
+                if red[0] == 0.0:
+                    T.loop_break()
         red[0] = 0.0
         for s2 in T.unroll(S):  # slice order, as the Triton finish kernel
             red[0] = T.ieee_add(red[0], pv[s2])
@@ -166,29 +183,39 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
         stored it (``xdone``); four threads a row (8 columns of each chunk, so a warp's access covers 8 rows x 64
         contiguous bytes), ``nt / 4`` rows a pass, a row's whole slice loaded at once once its 16 slices have published
         their norm partials; then the block's ring slot is free (``xfree``). ``norm_w_smem``: the weights from ``w_s``
-        (the consumers wrote it before their first ``xdone`` arrival)."""
+        (the consumers wrote it before their first ``xdone`` arrival). ``norm_prepoll``: a pass's first poll is issued
+        before the previous pass's normalization (the block's first before its ``xdone`` wait), so a poll's L2 round
+        trip overlaps other work."""
         q = lt % 4
+        rp = nt // 4  # rows a pass
+        npass = 0 if "nonorm" in flags else T.ceildiv(BM, rp)
         timers_start(tm)
         for jj in T.serial(nloc):
             rbn = g + jj * groups
+            if norm_prepoll:
+                poll_issue(xss, rbn, lt // 4, pv)  # rows lt // 4 < rp <= BM
             if timers:
                 tc[0] = clock()
             T.mbarrier_wait_parity(xdone[jj % nring], (jj // nring) % 2)
             if timers:
                 tm[0] += clock() - tc[0]
-            for p in T.serial(0 if "nonorm" in flags else T.ceildiv(BM, nt // 4)):
-                r = p * (nt // 4) + lt // 4
+            for p in T.serial(npass):
+                r = p * rp + lt // 4
                 row = rbn * bm + r
                 if r < BM:
                     if timers:
                         tc[0] = clock()
-                    row_rstd(xss, rbn, r, pv, red)
+                    row_rstd(xss, rbn, r, pv, red, norm_prepoll)
                     if timers:
                         tm[1] += clock() - tc[0]
                 if T.And(r < BM, row < m):
                     for c2 in T.unroll(nc):
                         for e in T.vectorized(8):
                             xr[c2 * 8 + e] = x[row, s * ds + c2 * bk + q * 8 + e]
+                if norm_prepoll:  # the next pass's first poll (pv is free once red[1] holds this row's factor)
+                    if r + rp < BM:
+                        poll_issue(xss, rbn, r + rp, pv)
+                if T.And(r < BM, row < m):
                     for c2 in T.unroll(nc):
                         for e in T.vectorized(8):
                             if norm_w_smem:
@@ -204,5 +231,5 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
 
     return SimpleNamespace(pslot=pslot, normed=normed, row_rstd=row_rstd, store_x=store_x, norm_chunk=norm_chunk,
                            load_chunk=load_chunk, stream_dots=stream_dots, load_stream=load_stream, issue=issue,
-                           resident=resident, normalize_blocks=normalize_blocks, clock=clock,
+                           resident=resident, normalize_blocks=normalize_blocks, clock=clock, poll_issue=poll_issue,
                            timers_start=timers_start, timers_write=timers_write)
