@@ -1,8 +1,8 @@
 """Where the TileLang mhc_pre kernel's time goes: variants of the default config (build options as JSON; ``diag`` ones
 drop a role's work or add clock64 timers, ``mhc_pre_kernel.build``), the kernel alone timed in turn with the default
-(each call also refills the xss sentinel), its bits (x, ws, ss) against the default's, and for "timers" builds each
-role's cycles: waiting on its barriers and in all (medians over the CTAs, thousands of cycles and shares of the
-role's total; read back from xss).
+(``mhc_pre.partials``: each call also allocates its outputs and fills the xss sentinel), its bits (x, ws, ss)
+against the default's, and for "timers" builds each role's cycles: waiting on its barriers and in all (medians over
+the CTAs, thousands of cycles and shares of the role's total; read back from xss).
 
     source .devsite/setup.sh && python3 benchmarks/probe_mhc_pre_diag.py 65536,16384 \
         'ws={"norm_w_smem": true}' 'tim={"diag": "timers"}' 'cut={"diag": "timers,nonorm"}'
@@ -33,30 +33,17 @@ def main():
     groups = tlp.groups_for(sm)
     for m in ms:
         h, pp, parts, sliced, scale, base, w = _inputs(m)
-        nrb = -(-m // 64)
-        rows = nrb * S * 64
         fns, outs, timers = {}, {}, {}
         for name, opts in variants.items():
             cfg = dict(tlp.DEFAULT_CONFIG, **opts)
-            k = tlp._kernel(5120, groups, 1e-6, cfg)
-            x = torch.empty(m, 5120, dtype=torch.bfloat16, device="cuda")
-            ws = torch.empty(rows, 24, device="cuda")
-            ss = torch.empty(rows, device="cuda")
-            xss = torch.empty(rows, device="cuda")
 
-            def run(k=k, x=x, ws=ws, ss=ss, xss=xss):
-                xss.fill_(tlp.SENTINEL)
-                k(h.view(m, -1), sliced[0], sliced[1], sliced[2], pp, w, x, ws, ss, xss)
-            run()
-            torch.cuda.synchronize()
+            def run(cfg=cfg):
+                return tlp.partials(h, pp, sliced, w, 1e-6, config=cfg, groups=groups, with_xss=True)
+            x, ws, ss, xss = run()
             fns[name] = run
-            outs[name] = (x.clone(), ws.clone(), ss.clone())
-            if "timers" in cfg.get("diag", ""):
-                t = []
-                for cta in range(groups * S):
-                    g, s = divmod(cta, S)
-                    t.append([xss[((g * S) + s) * 64 + r].item() for r in range(12)])
-                timers[name] = torch.tensor(t)
+            outs[name] = (x, ws, ss)
+            if "timers" in cfg.get("diag", ""):  # rows 0-11 of each CTA's first row block (timers_write)
+                timers[name] = xss.view(-1, S, 64)[:groups, :, :12].reshape(groups * S, 12).cpu()
         same = {n: all(torch.equal(a, b) for a, b in zip(o, outs["base"])) for n, o in outs.items()}
         times = time_interleaved(fns, rounds=8)
         print(f"\n## M = {m}\n\n| variant | same bits as base | ms (median) | ms (min) |\n|---|---|---|---|")

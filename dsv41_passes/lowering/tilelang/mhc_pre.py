@@ -123,9 +123,11 @@ if _ENV_CONFIG not in CONFIGS:
 DEFAULT_CONFIG = CONFIGS[_ENV_CONFIG]
 
 
-def partials(h, pre_prev, sliced, weight, eps: float, *, config: dict | None = None, groups: int | None = None):
+def partials(h, pre_prev, sliced, weight, eps: float, *, config: dict | None = None, groups: int | None = None,
+             with_xss: bool = False):
     """The persistent kernel alone: ``x [M, d]`` (collapse + RMSNorm) and the slice partials ``ws, ss``
-    in the Triton finish kernel's layout (64-row blocks, 16 slices)."""
+    in the Triton finish kernel's layout (64-row blocks, 16 slices); ``with_xss``: also the norm partials ``xss``
+    (where a ``diag`` "timers" build leaves its counts, ``benchmarks/probe_mhc_pre_diag.py``)."""
     cfg = dict(DEFAULT_CONFIG if config is None else config)  # a whole config (a ``CONFIGS`` entry)
     if "wgs" not in cfg or "stages" not in cfg:
         raise ValueError(f"TileLang mhc_pre: a config names at least wgs and stages, got {config!r}")
@@ -140,14 +142,13 @@ def partials(h, pre_prev, sliced, weight, eps: float, *, config: dict | None = N
     x = torch.empty((m, d), dtype=h.dtype, device=dev)
     ws = torch.empty((rows, NMIX), **f32)
     ss = torch.empty((rows,), **f32)
-    if m == 0:
-        return x, ws, ss
     xss = torch.full((rows,), SENTINEL, **f32)
-    _kernel(d, groups, eps, cfg)(
-        h.view(m, n * d), sliced[0], sliced[1], sliced[2], pre_prev.contiguous(), weight.contiguous(),
-        x, ws, ss, xss,
-    )
-    return x, ws, ss
+    if m:
+        _kernel(d, groups, eps, cfg)(
+            h.view(m, n * d), sliced[0], sliced[1], sliced[2], pre_prev.contiguous(), weight.contiguous(),
+            x, ws, ss, xss,
+        )
+    return (x, ws, ss, xss) if with_xss else (x, ws, ss)
 
 
 def mhc_pre(h, pre_prev, sliced, scale, base, weight, iters, hc_eps, norm_eps, eps, *, config: dict | None = None,

@@ -176,7 +176,6 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         raise ValueError("TileLang mhc_pre: dots_rs needs split roles and the mid part resident")
     if (norm_w_smem or norm_prepoll) and not norm_wg:
         raise ValueError("TileLang mhc_pre: norm_w_smem and norm_prepoll are for the normalizing warps (norm_wg)")
-    timers = "timers" in flags
     nt = 32 * norm_warps  # the normalizing threads (``norm_wg``): the producer warpgroup's last ones
     nring = lag + 1  # row blocks the vector role may run ahead of the normalizing warps (``norm_wg``)
     consumers = 128 * wgs * rings * (1 + vec_wgs if split_roles else 1)
@@ -205,7 +204,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         nt=nt, nring=nring, flags=flags, norm_w_smem=norm_w_smem, dots_rs=dots_rs,
         norm_prepoll=norm_prepoll))
     pslot, row_rstd, store_x, norm_chunk, load_chunk = mc.pslot, mc.row_rstd, mc.store_x, mc.norm_chunk, mc.load_chunk
-    clock, timers_start, timers_write = mc.clock, mc.timers_start, mc.timers_write
+    timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
     stream_dots, load_stream, issue, resident, normalize_blocks = (
         mc.stream_dots, mc.load_stream, mc.issue, mc.resident, mc.normalize_blocks)
 
@@ -253,11 +252,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                         row_rstd(xss, rb - lag * back, r, pv, red)
                     load_chunk(x, nrow, ncol, hf, xn)
                 if vec and norm_wg and c == 0 and j >= nring:  # the normalizing warps are done with block j - nring
-                    if timers:
-                        b.tc[0] = clock()
-                    T.mbarrier_wait_parity(b.xfree[j % nring], (j // nring + 1) % 2)
-                    if timers:
-                        b.tm[1] += clock() - b.tc[0]
+                    timed_wait(b.xfree, j % nring, (j // nring + 1) % 2, b.tm, b.tc, 1)
                 if c == 0:
                     if mma:
                         T.clear(acc_hi)
@@ -273,11 +268,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                             pr[k] = prn[k]
                         for k in T.unroll(HC):
                             prn[k] = T.if_then_else(row + back * bm < m, pre_prev[row + back * bm, k], 0.0)
-                if timers:
-                    b.tc[0] = clock()
-                T.mbarrier_wait_parity(full[st], (t // stages) % 2)
-                if timers:
-                    b.tm[0] += clock() - b.tc[0]
+                timed_wait(full, st, (t // stages) % 2, b.tm, b.tc, 0)
                 # 12 async wgmma groups: hi from zero per stream, mid and lo chained over the slice
                 if mma and "nodots" not in flags:
                     stream_dots(a0, hi0, md0, mds, 0, lo0, sh0, acc_mid, acc_lo, st, c, b.ar[0])
@@ -459,11 +450,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                         for q in T.serial(ring_blocks(nloc, ring) * nc):
                             st = base + q % stages
                             if q >= stages:  # use n of a stage waits for the release of use n - 1
-                                if timers:
-                                    tc[0] = clock()
-                                T.mbarrier_wait_parity(empty[st], ((q // stages) + 1) % 2)
-                                if timers:
-                                    tm[0] += clock() - tc[0]
+                                timed_wait(empty, st, ((q // stages) + 1) % 2, tm, tc, 0)
                             issue(h, wlo, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds, full, ring)
                         timers_write(xss, g, s, 0, tx, tm)  # (wait on empty, -, total)
                     if norm_wg and tx >= 128 - nt:

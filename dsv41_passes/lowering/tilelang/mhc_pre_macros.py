@@ -37,6 +37,15 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
             tm[2] = clock()
 
     @T.macro
+    def timed_wait(bar, i, parity, tm, tc, k):
+        """Wait on ``bar[i]`` for ``parity``; with the ``diag`` timers, its cycles added to tm[k]."""
+        if timers:
+            tc[0] = clock()
+        T.mbarrier_wait_parity(bar[i], parity)
+        if timers:
+            tm[k] += clock() - tc[0]
+
+    @T.macro
     def timers_write(xss, g, s, first, lt, tm):
         """``diag`` timers: tm[2] <- cycles since ``timers_start``; thread 0 of the role writes tm[0:3] as floats over
         xss rows ``first`` to ``first + 2`` of its CTA's first row block (a probe reads them after the launch)."""
@@ -194,11 +203,7 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
             rbn = g + jj * groups
             if norm_prepoll:
                 poll_issue(xss, rbn, lt // 4, pv)  # rows lt // 4 < rp <= BM
-            if timers:
-                tc[0] = clock()
-            T.mbarrier_wait_parity(xdone[jj % nring], (jj // nring) % 2)
-            if timers:
-                tm[0] += clock() - tc[0]
+            timed_wait(xdone, jj % nring, (jj // nring) % 2, tm, tc, 0)
             for p in T.serial(npass):
                 r = p * rp + lt // 4
                 row = rbn * bm + r
@@ -231,5 +236,5 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
 
     return SimpleNamespace(pslot=pslot, normed=normed, row_rstd=row_rstd, store_x=store_x, norm_chunk=norm_chunk,
                            load_chunk=load_chunk, stream_dots=stream_dots, load_stream=load_stream, issue=issue,
-                           resident=resident, normalize_blocks=normalize_blocks, clock=clock, poll_issue=poll_issue,
+                           resident=resident, normalize_blocks=normalize_blocks, timed_wait=timed_wait,
                            timers_start=timers_start, timers_write=timers_write)
