@@ -81,7 +81,7 @@ def test_kernel_rejects_what_it_cannot_run():
 @pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-producer", "wg1-split",
                                   "wg1-split-v2", "wg1-split-v2-xhints", "wg1-split-v2-normwg",
                                   "wg1-split-v2-normwg3", "wg1-split-v2-normwg3-ws",
-                                  "wg1-split-v2-normwg3-ws-rs", "wg1-split-v2-normwg3-ws-pp"])
+                                  "wg1-split-v2-normwg3-ws-pp", "wg1-split-v2-normwg3-ws-dd"])
 def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     """The sm_90a build: one wgmma shape (m64n24k16, the 24 mix columns unpadded), rounding spelled out
     (no contraction: nvcc --fmad=false and explicit __f*_rn), the residual loads by TMA with the
@@ -137,10 +137,13 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     if cfg.get("x_hints"):  # the plain x stores, once in the step and in the lagged norm, through the hinted helpers
         assert "createpolicy.fractional.L2::" in src and "st.global.L2::cache_hint.v4.b32" in src
         assert src.count("dsv41_st16_evict_last(") == 1 and src.count("dsv41_st16_evict_first(") == 2
-    shapes = set(re.findall(r"wgmma_[rs]s<[^>]*kFloat32, (\d+), (\d+), (\d+),", src))
+    shapes = set(re.findall(r"wgmma_ss<[^>]*kFloat32, (\d+), (\d+), (\d+),", src))
     assert shapes == {("64", "24", "16")}, shapes
-    wgmma = "wgmma_rs<" if cfg.get("dots_rs") else "wgmma_ss<"  # A from registers (dots_rs) or shared memory
-    assert src.count(wgmma) == 12 * rings == src.count("wgmma_ss<") + src.count("wgmma_rs<")  # 4 streams x 3 parts
+    waits = re.findall(r"tl::wait_wgmma<(\d)>", src)
+    if cfg.get("dots_defer"):  # a pair of steps written out: the first leaves streams 2-3 in flight into the second
+        assert src.count("wgmma_ss<") == 24 and sorted(waits) == ["0", "3", "3", "6", "6"], waits
+    else:
+        assert src.count("wgmma_ss<") == 12 * rings and waits == ["0"] * rings  # 4 streams x 3 parts, one wait a step
     assert "tma_load<tl::CacheHintSm90::EVICT_FIRST>(h_desc" in src
     assert "__fmaf_rn" in src and "__fdiv_rn" in src and "__fsqrt_rn" in src
     offsets = [int(v) for v in re.findall(r"buf_dyn_shmem \+ (\d+)\)", src)]
@@ -151,6 +154,11 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
         out = subprocess.run([str(tool), "--dump-resource-usage", str(cubins[0])], capture_output=True, text=True)
         usage = dict(re.findall(r"\b(REG|STACK):(\d+)", out.stdout))
         assert usage and int(usage["STACK"]) == 0 and int(usage["REG"]) <= 255, usage
+        # the wgmmas stay asynchronous: one warpgroup barrier a wait in the source; where ptxas cannot keep them in
+        # flight (too few registers, accumulators touched while in flight: C7512-C7518) it puts one after each
+        sass = subprocess.run([str(tool), "-sass", str(cubins[0])], capture_output=True, text=True).stdout
+        assert sass.count("HGMMA.64x24x16") == 2 * src.count("wgmma_ss<")  # two k16 steps a 32-column chunk
+        assert sass.count("WARPGROUP.DEPBAR") == len(waits), (sass.count("WARPGROUP.DEPBAR"), len(waits))
 
 
 # ----------------------------------------------------------------------------- H200
@@ -178,7 +186,7 @@ def _skip_without_tilelang():
 @pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-producer", "wg1-split",
                                   "wg1-split-v2", "wg1-split-v2-xhints", "wg1-split-v2-normwg",
                                   "wg1-split-v2-normwg3", "wg1-split-v2-normwg3-ws",
-                                  "wg1-split-v2-normwg3-ws-rs", "wg1-split-v2-normwg3-ws-pp"])
+                                  "wg1-split-v2-normwg3-ws-pp", "wg1-split-v2-normwg3-ws-dd"])
 @pytest.mark.parametrize("m", [1, 4096, 4097, 65536])
 def test_gpu_matches_the_triton_kernel(m, name):
     """x, pre, post and comb against the Triton mhc_pre; bitwise is the goal (same numerics, n24 instead
@@ -331,8 +339,8 @@ def test_two_vector_warpgroups_need_split_roles():
 
 
 def test_build_options_are_checked():
-    """``diag`` takes only its known flags, ``norm_w_smem`` only goes with the normalizing warps and ``dots_rs`` with
-    split roles."""
+    """``diag`` takes only its known flags, ``norm_w_smem`` only goes with the normalizing warps and ``dots_defer``
+    with split roles."""
     from dsv41_passes.lowering.tilelang import mhc_pre as tlp
 
     pytest.importorskip("tilelang")
@@ -340,11 +348,12 @@ def test_build_options_are_checked():
         tlp.build(FLASH_D, 8, EPS, **dict(tlp.DEFAULT_CONFIG, diag="timers,nosq"))
     with pytest.raises(ValueError, match="norm_w_smem and norm_prepoll are for the normalizing warps"):
         tlp.build(FLASH_D, 8, EPS, **dict(tlp.CONFIGS["wg1-split-v2"], norm_w_smem=True))
-    with pytest.raises(ValueError, match="dots_rs needs split roles and the mid part resident"):
-        tlp.build(FLASH_D, 8, EPS, **dict(tlp.CONFIGS["wg1-producer"], dots_rs=True))
+    with pytest.raises(ValueError, match="dots_defer needs split roles"):
+        tlp.build(FLASH_D, 8, EPS, **dict(tlp.CONFIGS["wg1-producer"], dots_defer=True))
 
 
-def test_diag_timers_build(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", [None, "wg1-split-v2-normwg3-ws-dd"])  # the default; the deferred dots' own loop
+def test_diag_timers_build(name, tmp_path, monkeypatch):
     """The probe build (``diag`` "timers", ``benchmarks/probe_mhc_pre_diag.py``): each role's first thread reads the
     cycle counter around its barrier waits and writes three counts over xss at the end; no spills."""
     pytest.importorskip("tilelang")
@@ -353,11 +362,12 @@ def test_diag_timers_build(tmp_path, monkeypatch):
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
     from dsv41_passes.lowering.tilelang import mhc_pre as tlp
 
-    src = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, **dict(tlp.DEFAULT_CONFIG, diag="timers")), True)
+    cfg = tlp.DEFAULT_CONFIG if name is None else tlp.CONFIGS[name]
+    src = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, **dict(cfg, diag="timers")), True)
     src = src.get_kernel_source()
     writes = re.findall(r"xss\[\(+\(\(int\)blockIdx.x\) \* 64\) \+ k_\d+\)(?: \+ (\d+))?\)?\] = \(\(float\)tm\[", src)
     assert sorted(int(w or 0) for w in writes) == [0, 3, 6, 9] and src.count("clock64()") >= 16  # a role's rows
-    plain = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, **tlp.DEFAULT_CONFIG), True).get_kernel_source()
+    plain = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, **cfg), True).get_kernel_source()
     assert "clock64" not in plain
 
 

@@ -104,18 +104,22 @@ CONFIGS["wg1-split-v2-normwg3"] = dict(CONFIGS["wg1-split-v2-normwg"], norm_warp
 # against wg1-split-v2-normwg3 (the kernel, medians, ms at 65536 / 16384 / 4096): run 179 1.240 / 0.3161 / 0.0869
 # against 1.293 / 0.3246 / 0.0910, run 181 1.302 / 0.3302 / 0.0879 against 1.312 / 0.3297 / 0.0908
 CONFIGS["wg1-split-v2-normwg3-ws"] = dict(CONFIGS["wg1-split-v2-normwg3"], norm_w_smem=True)
-# the same with each stream's A tile copied into the dots' registers once a step, read by its three wgmmas from there
-# (wgmma_rs) instead of from shared memory three times: 16 KB of shared-memory reads a step for A instead of 48.
-# Written and built for sm_90a (no spills), not yet run on the GPU: no time or bits measured.
-CONFIGS["wg1-split-v2-normwg3-ws-rs"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"], dots_rs=True)
 # the default with the normalizing warps' polls issued a pass ahead (``norm_prepoll``: the next pass's partials are
 # loaded before this pass's normalization, a block's first before its xdone wait; the polls are 29-36% of these warps'
 # time in runs 179 and 181). Written and built for sm_90a (no spills), not yet run on the GPU: no time or bits measured.
 CONFIGS["wg1-split-v2-normwg3-ws-pp"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"], norm_prepoll=True)
+# the default with the dots' warpgroup taking a row block's chunks in pairs, the first step's streams 2 and 3 in flight
+# into the second (``dots_defer``), so the tensor cores do not idle at that step boundary while the warps sum, release
+# and wait; the timers of run 179 have that warpgroup busy 81% (87% with the norm cut out). Written and built for
+# sm_90a (no spills; ptxas keeps the wgmmas asynchronous: 5 waits for a pair's 24 wgmma groups), not yet run on the
+# GPU: no time or bits measured.
+CONFIGS["wg1-split-v2-normwg3-ws-dd"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"], dots_defer=True)
 # Not kept (measured in runs 173-174 and 179-181, code not in the tree): the row's x loaded before its partials are
 # polled; the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role); the row
 # block's pre weights brought by TMA with its first stage; one stage-barrier arrival a warp instead of a thread;
 # four normalizing warps with the copies issued by the vector role: no faster, or slower (docs/performance.md).
+# Dropped unmeasured: each stream's A tile copied into the dots' registers once a step for three register-A wgmmas
+# (``dots_rs``, twenty-first session): at 128 registers a thread ptxas serializes every wgmma of it (C7512).
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
 _ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-normwg3-ws")
 if _ENV_CONFIG not in CONFIGS:

@@ -121,7 +121,7 @@ def _n24():
 def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: int = 1, lag: int = LAG,
           mid_resident: bool = True, producer: bool = False, rings: int = 1, split_roles: bool = False,
           vec_wgs: int = 1, x_hints: bool = False, norm_wg: bool = False, norm_warps: int = 2,
-          norm_w_smem: bool = False, diag: str = "", dots_rs: bool = False, norm_prepoll: bool = False):
+          norm_w_smem: bool = False, diag: str = "", norm_prepoll: bool = False, dots_defer: bool = False):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
@@ -140,13 +140,13 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     each row block once its 16 slices have published their norm partials, instead of the vector role one chunk a
     step ``lag`` blocks behind (mbarriers ``xdone`` / ``xfree``, a ring of ``lag + 1``, hand the blocks over);
     ``norm_warps`` 3: warps 1-3 do it, 24 rows a pass (warp 0 still issues the copies); ``norm_w_smem``: those warps
-    read the norm weights from the consumers' shared copy instead of global memory; ``dots_rs`` (split roles): the
-    dots' warpgroup copies each stream's A tile into registers once a step and its three wgmmas read it from there
-    (register-A ``wgmma_rs``), not from shared memory three times; ``norm_prepoll`` (``norm_wg``): the normalizing
-    warps load a pass's partials a pass ahead (``normalize_blocks``). ``diag`` (probe builds only,
-    ``benchmarks/probe_mhc_pre_diag.py``; comma-separated): "timers" has the first thread of each role (producer,
-    normalizing warps, dots, vector) count clock64 cycles waiting on its barriers and in all, written over xss at the
-    end; "nonorm", "novec", "nodots" and "noxstore" drop that work (wrong results by design).
+    read the norm weights from the consumers' shared copy instead of global memory; ``norm_prepoll`` (``norm_wg``):
+    the normalizing warps load a pass's partials a pass ahead (``normalize_blocks``); ``dots_defer`` (split roles):
+    the dots' warpgroup takes a row block's chunks in pairs, the first step's last wgmma groups in flight into the
+    second (``dots_deferred``). ``diag`` (probe builds only, ``benchmarks/probe_mhc_pre_diag.py``; comma-separated):
+    "timers" has the first thread of each role (producer, normalizing warps, dots, vector) count clock64 cycles
+    waiting on its barriers and in all, written over xss at the end; "nonorm", "novec", "nodots" and "noxstore" drop
+    that work (wrong results by design).
 
     Arguments: ``h [M, 4d]`` bf16, ``hi/mid/lo [16, 4, 24, d/16]`` bf16 (slice-major parts), ``pre_prev
     [M, 4]`` f32, ``w [d]`` f32 -> ``x [M, d]`` bf16 (normalized), ``ws [nrb*16*64, 24]``, ``ss``,
@@ -172,8 +172,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     flags = set(diag.split(",")) - {""}
     if flags - {"timers", "nonorm", "novec", "nodots", "noxstore"}:
         raise ValueError(f"TileLang mhc_pre: diag {diag!r}: not among timers, nonorm, novec, nodots, noxstore")
-    if dots_rs and not (split_roles and mid_resident):
-        raise ValueError("TileLang mhc_pre: dots_rs needs split roles and the mid part resident")
+    if dots_defer and not split_roles:
+        raise ValueError("TileLang mhc_pre: dots_defer needs split roles")
     if (norm_w_smem or norm_prepoll) and not norm_wg:
         raise ValueError("TileLang mhc_pre: norm_w_smem and norm_prepoll are for the normalizing warps (norm_wg)")
     nt = 32 * norm_warps  # the normalizing threads (``norm_wg``): the producer warpgroup's last ones
@@ -201,8 +201,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     mc = kernel_macros(T, SimpleNamespace(
         S=S, d=d, eps=eps, m=m, BM=BM, SENTINEL=SENTINEL, ds=ds, bk=bk, nc=nc, bm=bm, wgs=wgs, groups=groups,
         rings=rings, nrun=nrun, vals=vals, run_col=run_col, x_hints=x_hints, mid_resident=mid_resident, lead=lead,
-        nt=nt, nring=nring, flags=flags, norm_w_smem=norm_w_smem, dots_rs=dots_rs,
-        norm_prepoll=norm_prepoll))
+        nt=nt, nring=nring, flags=flags, norm_w_smem=norm_w_smem, norm_prepoll=norm_prepoll, nmix=NMIX, stages=stages))
     pslot, row_rstd, store_x, norm_chunk, load_chunk = mc.pslot, mc.row_rstd, mc.store_x, mc.norm_chunk, mc.load_chunk
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
     stream_dots, load_stream, issue, resident, normalize_blocks = (
@@ -217,6 +216,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         of the CTA (``nloc`` of them), ``lt`` the thread's index in the warpgroup, ``fr`` its accumulators, ``b``
         the kernel's buffers and indices; ``role``: "both", or with split roles "mma" (the dots, the hi sums and the
         mix partials) or "vec" (the rest)."""
+        if role == "mma" and dots_defer and "nodots" not in flags:
+            return mc.dots_deferred
         mma = role != "vec"
         vec = role != "mma"
         lagged = vec and not norm_wg  # the vector role normalizes ``lag`` blocks behind
@@ -271,10 +272,10 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                 timed_wait(full, st, (t // stages) % 2, b.tm, b.tc, 0)
                 # 12 async wgmma groups: hi from zero per stream, mid and lo chained over the slice
                 if mma and "nodots" not in flags:
-                    stream_dots(a0, hi0, md0, mds, 0, lo0, sh0, acc_mid, acc_lo, st, c, b.ar[0])
-                    stream_dots(a1, hi1, md1, mds, 1, lo1, sh1, acc_mid, acc_lo, st, c, b.ar[1])
-                    stream_dots(a2, hi2, md2, mds, 2, lo2, sh2, acc_mid, acc_lo, st, c, b.ar[2])
-                    stream_dots(a3, hi3, md3, mds, 3, lo3, sh3, acc_mid, acc_lo, st, c, b.ar[3])
+                    stream_dots(a0, hi0, md0, mds, 0, lo0, sh0, acc_mid, acc_lo, st, c)
+                    stream_dots(a1, hi1, md1, mds, 1, lo1, sh1, acc_mid, acc_lo, st, c)
+                    stream_dots(a2, hi2, md2, mds, 2, lo2, sh2, acc_mid, acc_lo, st, c)
+                    stream_dots(a3, hi3, md3, mds, 3, lo3, sh3, acc_mid, acc_lo, st, c)
                 # meanwhile: sums of squares and the collapse from the same shared tiles
                 if vec and "novec" not in flags:
                     load_stream(a0, hv0, st, r, hf)
@@ -316,9 +317,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                 if lagged and j >= lag:
                     norm_chunk(x, w_s, nrow, ncol, c * bk, hf, xn, wv, red)
                 if mma and c == nc - 1:
-                    # publish this slice's partials (Triton finish layout)
-                    for i, n in T.Parallel(bm, NMIX):
-                        ws[pslot(rb, i, s), n] = T.ieee_add(T.ieee_add(acc_hi[i, n], acc_mid[i, n]), acc_lo[i, n])
+                    mc.publish(ws, rb, s, fr)  # this slice's partials (Triton finish layout)
                 if vec and c == nc - 1:
                     # xss last: the normalization of this row block (one CTA each slice) waits for it
                     # pairwise tree over the 32 chunk positions: within each run of 8 here (levels 1-3),
@@ -429,7 +428,6 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
             w_s = T.alloc_shared((ds,), f32)  # this slice's norm weights
             pv = T.alloc_local((S,), f32)
             red = T.alloc_local((2,), f32)
-            ar = [T.alloc_fragment((bm, bk), bf16) for _ in range(HC)] if dots_rs else [None] * HC
             tm = T.alloc_local((4,), "int64")  # ``diag`` timers
             tc = T.alloc_local((1,), "int64")
             tx = T.get_thread_binding()
@@ -475,7 +473,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                     smem=(a0, a1, a2, a3, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, md0, md1, md2, md3, mds),
                     full=full, empty=empty if producer else None,
                     xdone=xdone if norm_wg else None, xfree=xfree if norm_wg else None,
-                    regs=(sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red, prn), tm=tm, tc=tc, ar=ar)
+                    regs=(sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red, prn), tm=tm, tc=tc)
                 if split_roles:  # warpgroup 1 issues the dots, warpgroup 2 (and 3) does the rest
                     if tx < 256:
                         consumer(0, "mma")(nloc, frags[0], tx - 128, b)
