@@ -140,8 +140,12 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     shapes = set(re.findall(r"wgmma_ss<[^>]*kFloat32, (\d+), (\d+), (\d+),", src))
     assert shapes == {("64", "24", "16")}, shapes
     waits = re.findall(r"tl::wait_wgmma<(\d)>", src)
-    if cfg.get("dots_defer"):  # a pair of steps written out: the first leaves streams 2-3 in flight into the second
-        assert src.count("wgmma_ss<") == 24 and sorted(waits) == ["0", "3", "3", "6", "6"], waits
+    if cfg.get("dots_defer"):  # streams 1-3's chains of a step in flight into the next; all waited at a block's end
+        assert src.count("wgmma_ss<") == 12 and waits == ["6", "0"], waits
+        dots = src[src.index("if (((int)threadIdx.x) < 256) {"):src.index("if (256 <= ((int)threadIdx.x)) {")]
+        issued = re.findall(r"\(\(uint32_t\*\)\((\w+) \+ 0\)\)", dots)  # the accumulator of each wgmma, in order
+        assert issued[:4] == ["sh0", "sh1", "sh2", "sh3"] and issued[4:] == ["acc_mid", "acc_lo"] * 4, issued
+        assert dots.count("((c == 0) ? 0 : 1)") == 2  # a row block's chains start from zero by stream 0's scale-d
     else:
         assert src.count("wgmma_ss<") == 12 * rings and waits == ["0"] * rings  # 4 streams x 3 parts, one wait a step
     assert "tma_load<tl::CacheHintSm90::EVICT_FIRST>(h_desc" in src

@@ -108,11 +108,11 @@ CONFIGS["wg1-split-v2-normwg3-ws"] = dict(CONFIGS["wg1-split-v2-normwg3"], norm_
 # loaded before this pass's normalization, a block's first before its xdone wait; the polls are 29-36% of these warps'
 # time in runs 179 and 181). Written and built for sm_90a (no spills), not yet run on the GPU: no time or bits measured.
 CONFIGS["wg1-split-v2-normwg3-ws-pp"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"], norm_prepoll=True)
-# the default with the dots' warpgroup taking a row block's chunks in pairs, the first step's streams 2 and 3 in flight
-# into the second (``dots_defer``), so the tensor cores do not idle at that step boundary while the warps sum, release
-# and wait; the timers of run 179 have that warpgroup busy 81% (87% with the norm cut out). Written and built for
-# sm_90a (no spills; ptxas keeps the wgmmas asynchronous: 5 waits for a pair's 24 wgmma groups), not yet run on the
-# GPU: no time or bits measured.
+# the default with the dots' wgmmas kept in flight across steps (``dots_defer``: a step's four hi dots issued first,
+# then the mid / lo chains, and streams 1-3's chains waited for only at the next step), so the tensor cores do not idle
+# at a step boundary while the warps sum the hi parts, release the stage and wait for the next; the timers of run 179
+# have that warpgroup busy 81% (87% with the norm cut out). Written and built for sm_90a (118 registers, no spills;
+# ptxas keeps the wgmmas asynchronous: one wait a step), not yet run on the GPU: no time or bits measured.
 CONFIGS["wg1-split-v2-normwg3-ws-dd"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"], dots_defer=True)
 # Not kept (measured in runs 173-174 and 179-181, code not in the tree): the row's x loaded before its partials are
 # polled; the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role); the row

@@ -142,8 +142,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     ``norm_warps`` 3: warps 1-3 do it, 24 rows a pass (warp 0 still issues the copies); ``norm_w_smem``: those warps
     read the norm weights from the consumers' shared copy instead of global memory; ``norm_prepoll`` (``norm_wg``):
     the normalizing warps load a pass's partials a pass ahead (``normalize_blocks``); ``dots_defer`` (split roles):
-    the dots' warpgroup takes a row block's chunks in pairs, the first step's last wgmma groups in flight into the
-    second (``dots_deferred``). ``diag`` (probe builds only, ``benchmarks/probe_mhc_pre_diag.py``; comma-separated):
+    the dots' warpgroup issues a step's four hi dots first and leaves its last chains in flight into the next step
+    (``dots_deferred``). ``diag`` (probe builds only, ``benchmarks/probe_mhc_pre_diag.py``; comma-separated):
     "timers" has the first thread of each role (producer, normalizing warps, dots, vector) count clock64 cycles
     waiting on its barriers and in all, written over xss at the end; "nonorm", "novec", "nodots" and "noxstore" drop
     that work (wrong results by design).

@@ -125,15 +125,25 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                     xn[u * 8 + e] = x[row, col2 + run_col(hf, u) + e]
 
     @T.macro
-    def stream_dots(a, hi, md, mds, k, lo, sh, acc_mid, acc_lo, st, c, fresh=False):
-        """Stream k's three dots of a step (async): hi from zero into sh, mid and lo chained (from zero with
-        ``fresh``: ``dots_deferred`` starts a row block's chains by the wgmma, not by clearing them)."""
+    def hi_dot(a, hi, sh, st, c):
+        """A stream's hi dot of a step (async), from zero."""
         T.wgmma_gemm(a[st, :, :], hi[:, c * bk:(c + 1) * bk], sh, transpose_B=True, clear_accum=True)
+
+    @T.macro
+    def chain_dots(a, md, mds, k, lo, acc_mid, acc_lo, st, c, fresh=False):
+        """A stream's mid and lo dots of a step (async), chained over the slice (from zero where ``fresh`` holds:
+        ``dots_deferred`` starts a row block's chains by the wgmma, not by clearing the registers)."""
         if mid_resident:
             T.wgmma_gemm(a[st, :, :], md[:, c * bk:(c + 1) * bk], acc_mid, transpose_B=True, clear_accum=fresh)
         else:
             T.wgmma_gemm(a[st, :, :], mds[st, k, :, :], acc_mid, transpose_B=True, clear_accum=fresh)
         T.wgmma_gemm(a[st, :, :], lo[st, :, :], acc_lo, transpose_B=True, clear_accum=fresh)
+
+    @T.macro
+    def stream_dots(a, hi, md, mds, k, lo, sh, acc_mid, acc_lo, st, c):
+        """Stream k's three dots of a step (async): hi from zero into sh, mid and lo chained."""
+        hi_dot(a, hi, sh, st, c)
+        chain_dots(a, md, mds, k, lo, acc_mid, acc_lo, st, c)
 
     @T.macro
     def publish(ws, rb, s, fr):
@@ -143,58 +153,43 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
             ws[pslot(rb, i, s), n] = T.ieee_add(T.ieee_add(acc_hi[i, n], acc_mid[i, n]), acc_lo[i, n])
 
     @T.macro
-    def take_hi(acc_hi, sh, pending):
-        """``dots_deferred``: acc_hi += a stream's hi part once at most ``pending`` wgmma groups are in flight."""
-        T.wait_wgmma(pending)
-        for i, n in T.Parallel(bm, nmix):
-            acc_hi[i, n] = T.ieee_add(acc_hi[i, n], sh[i, n])
-
-    @T.macro
-    def dots_step(t, c, fr, b, fresh, after, leave):
-        """``dots_deferred``: step t (chunk c) of the dots' warpgroup. ``after``: streams 2 and 3 of the previous step
-        are still in flight: their hi parts are summed (and its stage released) around this step's stream 0.
-        ``leave``: this step's streams 2 and 3 stay in flight (streams 0 and 1 summed); else all are waited for and
-        summed, and the stage released. ``fresh``: the mid and lo chains start from zero (a row block's chunk 0)."""
+    def dots_deferred(nloc, fr, lt, b):
+        """``dots_defer``: the dots' warpgroup of split roles (one ring, a producer) with each step's last wgmma
+        groups in flight into the next step, so the tensor cores do not idle while the warps sum the hi parts,
+        release the stage and wait for the next. A step issues the four hi dots first, then the mid / lo chains;
+        ``wait_wgmma<6>`` (it takes at most 7) then has the hi dots done and streams 1-3's chains in flight, and the
+        previous step's groups all done, so its stage is released then. The same products and sums in the same order
+        as the plain loop (the hi parts added in stream order, each chain over the streams in order). Only chain
+        groups, never read in the loop, stay in flight across its back edge: ptxas serializes every wgmma (C7514)
+        when an instruction in a loop reads the accumulator of a group that may be in flight across it, and (C7515,
+        C7518) when one in a branch touches an accumulator, so a row block's last chunk is not a branch of the loop
+        but its end."""
         acc_hi, acc_mid, acc_lo, sh0, sh1, sh2, sh3 = fr
         a0, a1, a2, a3, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, md0, md1, md2, md3, mds = b.smem
-        st = t % stages
-        if after:
-            take_hi(acc_hi, sh2, 3)
-        timed_wait(b.full, st, (t // stages) % 2, b.tm, b.tc, 0)
-        stream_dots(a0, hi0, md0, mds, 0, lo0, sh0, acc_mid, acc_lo, st, c, fresh)
-        if after:
-            take_hi(acc_hi, sh3, 3)
-            T.mbarrier_arrive(b.empty[(t - 1) % stages])
-        stream_dots(a1, hi1, md1, mds, 1, lo1, sh1, acc_mid, acc_lo, st, c)
-        stream_dots(a2, hi2, md2, mds, 2, lo2, sh2, acc_mid, acc_lo, st, c)
-        stream_dots(a3, hi3, md3, mds, 3, lo3, sh3, acc_mid, acc_lo, st, c)
-        if leave:
-            take_hi(acc_hi, sh0, 6)
-            take_hi(acc_hi, sh1, 6)
-        else:
-            T.wait_wgmma(0)
-            for i, n in T.Parallel(bm, nmix):
-                acc_hi[i, n] = T.ieee_add(
-                    T.ieee_add(T.ieee_add(T.ieee_add(acc_hi[i, n], sh0[i, n]), sh1[i, n]), sh2[i, n]), sh3[i, n])
-            T.mbarrier_arrive(b.empty[st])
-
-    @T.macro
-    def dots_deferred(nloc, fr, lt, b):
-        """``dots_defer``: the dots' warpgroup of split roles (one ring, a producer) taking a row block's chunks in
-        pairs: the first step of a pair leaves its streams 2 and 3 in flight into the second, so the tensor cores
-        do not idle while the warps sum, release and wait at that step boundary. The same sums in the same order as
-        the plain loop (hi parts per stream, in stream order). No wgmma group stays in flight across a loop's back
-        edge: ptxas serializes every wgmma (C7514) when instructions inside such a loop read accumulators, even
-        after a wait that covers them (and with the chunk loop fully unrolled it spills)."""
         xss, s, gi = b.io[6], b.io[9], b.io[10]
         timers_start(b.tm)
         for j in T.serial(nloc):
-            T.clear(fr[0])  # acc_hi (added to by instructions, not by the wgmma); nothing is in flight here
-            for p in T.serial(nc // 2):
-                dots_step(j * nc + 2 * p, 2 * p, fr, b, p == 0, False, True)
-                dots_step(j * nc + 2 * p + 1, 2 * p + 1, fr, b, False, True, False)
-            if nc % 2:
-                dots_step(j * nc + nc - 1, nc - 1, fr, b, nc == 1, False, False)
+            T.clear(acc_hi)  # (added to by instructions, not by a wgmma)
+            for c in T.serial(nc):
+                t = j * nc + c
+                st = t % stages
+                timed_wait(b.full, st, (t // stages) % 2, b.tm, b.tc, 0)
+                hi_dot(a0, hi0, sh0, st, c)
+                hi_dot(a1, hi1, sh1, st, c)
+                hi_dot(a2, hi2, sh2, st, c)
+                hi_dot(a3, hi3, sh3, st, c)
+                chain_dots(a0, md0, mds, 0, lo0, acc_mid, acc_lo, st, c, c == 0)
+                chain_dots(a1, md1, mds, 1, lo1, acc_mid, acc_lo, st, c)
+                chain_dots(a2, md2, mds, 2, lo2, acc_mid, acc_lo, st, c)
+                chain_dots(a3, md3, mds, 3, lo3, acc_mid, acc_lo, st, c)
+                T.wait_wgmma(6)
+                for i, n in T.Parallel(bm, nmix):
+                    acc_hi[i, n] = T.ieee_add(
+                        T.ieee_add(T.ieee_add(T.ieee_add(acc_hi[i, n], sh0[i, n]), sh1[i, n]), sh2[i, n]), sh3[i, n])
+                if c > 0:
+                    T.mbarrier_arrive(b.empty[(t - 1) % stages])
+            T.wait_wgmma(0)
+            T.mbarrier_arrive(b.empty[(j * nc + nc - 1) % stages])
             publish(b.io[4], gi + j * groups, s, fr)
         timers_write(xss, gi, s, 6, lt, b.tm)  # (wait on full, -, total)
 
