@@ -159,11 +159,12 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
         release the stage and wait for the next. A step issues the four hi dots first, then the mid / lo chains;
         ``wait_wgmma<6>`` (it takes at most 7) then has the hi dots done and streams 1-3's chains in flight, and the
         previous step's groups all done, so its stage is released then. The same products and sums in the same order
-        as the plain loop (the hi parts added in stream order, each chain over the streams in order). Only chain
-        groups, never read in the loop, stay in flight across its back edge: ptxas serializes every wgmma (C7514)
-        when an instruction in a loop reads the accumulator of a group that may be in flight across it, and (C7515,
-        C7518) when one in a branch touches an accumulator, so a row block's last chunk is not a branch of the loop
-        but its end."""
+        as the plain loop (the hi parts added in stream order, each chain over the streams in order; a chain starts
+        by the wgmma's scale-d, not from zeroed registers, which at most could flip the sign of an all-zero partial,
+        not a value). Only chain groups, never read in the loop, stay in flight across its back edge: ptxas
+        serializes every wgmma (C7514) when an instruction in a loop reads the accumulator of a group that may be in
+        flight across it, and (C7515, C7518) when one in a branch touches an accumulator, so a row block's last chunk
+        is not a branch of the loop but its end."""
         acc_hi, acc_mid, acc_lo, sh0, sh1, sh2, sh3 = fr
         a0, a1, a2, a3, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, md0, md1, md2, md3, mds = b.smem
         xss, s, gi = b.io[6], b.io[9], b.io[10]
