@@ -23,7 +23,7 @@ ITERS, EPS = 20, 1e-6
 
 def float64_err(t, out) -> float:
     """max over pre/post/comb of |out - ref| / (2e-6 + 2e-5 |ref|): <= 1 is the issue's tolerance."""
-    from tests.lowering.test_mhc_kernels import mixes64, split64
+    from tests.mhc_cases import mixes64, split64
 
     refs = split64(mixes64(t["h"], t["fn"]), t["scale"], t["base"])
     return max(((o.double() - r).abs() / (2e-6 + 2e-5 * r.abs())).max().item() for o, r in zip(out[1:], refs))

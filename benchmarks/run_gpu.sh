@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 run checks and times, in one call:
 #   source .devsite/setup.sh && bash benchmarks/run_gpu.sh [stage ...]
-# Stages (default: env tests mhc rope_store wo_a guards); also quick (benchmarks/quick_check.py), stacked,
+# Stages (default: env tests mhc rope_store wo_a guards); also quick (benchmarks/quick_check.py),
 # guards_layer, prefill (examples/03_prefill_benchmark.py) and run_all (benchmarks/run_all.py). Each stage runs in its own
 # process with a time limit and the run goes on when one fails; logs and JSON land in $OUT.
 set -uo pipefail
@@ -33,7 +33,6 @@ for s in $stages; do
     wo_a) run bench_wo_a 300 python3 benchmarks/bench_wo_a.py ;;
     guards) run guards ${GUARDS_LIMIT:-300} python3 benchmarks/check_guards.py ;;
     quick) run quick_check ${QUICK_LIMIT:-240} python3 benchmarks/quick_check.py ;;
-    stacked) run stacked 120 python3 -m pytest -q -m gpu tests/lowering/test_mhc_kernels.py -k stacked -p no:cacheprovider -rfE ;;
     guards_layer) run guards_layer ${GUARDS_LIMIT:-300} python3 benchmarks/check_guards.py --layer-only ;;
     prefill) run prefill ${PREFILL_LIMIT:-330} python3 examples/03_prefill_benchmark.py --json "$OUT/prefill.json" \
                --budget-s ${PREFILL_BUDGET:-200} ;;

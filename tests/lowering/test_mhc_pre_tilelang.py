@@ -199,7 +199,7 @@ def test_gpu_matches_the_triton_kernel(m, name):
     from dsv41_passes.lowering.tilelang import mhc_pre as tlp
     from dsv41_passes.lowering.triton import mhc as tk
 
-    from .test_mhc_kernels import _chunked, assert_ulps, mixes64, norm64, normwise, split64
+    from mhc_cases import assert_ulps, chunked, mixes64, norm64, normwise, split64
 
     t = _inputs(m, seed=m)
     parts = build_parts(t["fn"])
@@ -207,12 +207,12 @@ def test_gpu_matches_the_triton_kernel(m, name):
     args = (t["scale"], t["base"], t["w"], ITERS, HC_EPS, NORM_EPS, EPS)
     x, pre, post, comb, mixes = tlp.mhc_pre(t["h"], t["pre_prev"], sliced, *args, config=tlp.CONFIGS[name],
                                             mixes=True)
-    m64 = _chunked(lambda s: mixes64(t["h"][s], t["fn"]), m)
+    m64 = chunked(lambda s: mixes64(t["h"][s], t["fn"]), m)
     assert normwise(mixes, m64) <= 1e-6
     for out, r in zip((pre, post, comb), split64(m64, t["scale"], t["base"])):
         torch.testing.assert_close(out.double(), r, rtol=2e-5, atol=2e-6)
     xc = tk.mhc_collapse(t["h"], t["pre_prev"], None, EPS, batch_invariant=True)
-    assert_ulps(x, _chunked(lambda s: norm64(xc[s], t["w"]), m))
+    assert_ulps(x, chunked(lambda s: norm64(xc[s], t["w"]), m))
     # the Triton kernel with its fixed default (split 1: at decode sizes its untuned config splits K slices)
     ref = tk.mhc_pre(t["h"], t["pre_prev"], parts, *args, batch_invariant=False, config=tk.default_config("mhc_pre"))
     for what, a, b in zip(("x", "pre", "post", "comb"), (x, pre, post, comb), ref):
@@ -227,7 +227,7 @@ def test_gpu_boundary_provider_matches_the_triton_boundary(m):
     _skip_without_tilelang()
     from dsv41_passes.lowering import mhc as ops
 
-    from .test_mhc_kernels import make_inputs
+    from mhc_cases import make_inputs
 
     if ops.TILELANG_PRE_MIN_M is None or m < ops.TILELANG_PRE_MIN_M:
         pytest.skip(f"the TileLang provider starts at {ops.TILELANG_PRE_MIN_M}")
