@@ -114,6 +114,12 @@ CONFIGS["wg1-split-v2-normwg3-ws-pp"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"],
 # have that warpgroup busy 81% (87% with the norm cut out). Written and built for sm_90a (118 registers, no spills;
 # ptxas keeps the wgmmas asynchronous: one wait a step), not yet run on the GPU: no time or bits measured.
 CONFIGS["wg1-split-v2-normwg3-ws-dd"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"], dots_defer=True)
+# the default with the L2 eviction hints of ``x_hints`` (the un-normalized collapse stored evict-last by the vector
+# role, the normalized one evict-first by the normalizing warps): their reload of x is a long-scoreboard wait in every
+# pass, from DRAM where the line was evicted in the 2-3 row blocks since it was stored. With the lagged norm the hints
+# cut DRAM bytes by 8% but not the time (run 130); the normalizing warps did not pace that kernel. Written and built
+# for sm_90a (113 registers, no spills), not yet run on the GPU: no time or bits measured.
+CONFIGS["wg1-split-v2-normwg3-ws-xh"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"], x_hints=True)
 # Not kept (measured in runs 173-174 and 179-181, code not in the tree): the row's x loaded before its partials are
 # polled; the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role); the row
 # block's pre weights brought by TMA with its first stage; one stage-barrier arrival a warp instead of a thread;

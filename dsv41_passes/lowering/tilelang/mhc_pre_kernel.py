@@ -165,8 +165,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                          "one ring")
     if vec_wgs not in (1, 2) or (vec_wgs == 2 and not split_roles):
         raise ValueError("TileLang mhc_pre: two vector warpgroups need split roles")
-    if norm_wg and (vec_wgs != 2 or x_hints):
-        raise ValueError("TileLang mhc_pre: the normalizing warps need two vector warpgroups (and no x_hints)")
+    if norm_wg and vec_wgs != 2:
+        raise ValueError("TileLang mhc_pre: the normalizing warps need two vector warpgroups")
     if norm_warps not in (2, 3):
         raise ValueError(f"TileLang mhc_pre: the norm runs on warps 2-3 or 1-3 of the producer, got {norm_warps} warps")
     flags = set(diag.split(",")) - {""}

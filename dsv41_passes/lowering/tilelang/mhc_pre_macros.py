@@ -283,8 +283,12 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                                 wr[e] = nw[s * ds + c2 * bk + q * 8 + e]
                         for e in T.unroll(8):
                             xr[c2 * 8 + e] = normed(wr[e], xr[c2 * 8 + e], red[1])
-                        for e in T.vectorized(8):
-                            x[row, s * ds + c2 * bk + q * 8 + e] = xr[c2 * 8 + e]
+                        if x_hints:  # (the normalized values leave L2 first)
+                            T.call_extern("handle", "dsv41_st16_evict_first",
+                                          T.address_of(x[row, s * ds + c2 * bk + q * 8]), T.address_of(xr[c2 * 8]))
+                        else:
+                            for e in T.vectorized(8):
+                                x[row, s * ds + c2 * bk + q * 8 + e] = xr[c2 * 8 + e]
             T.mbarrier_arrive(xfree[jj % nring])
         timers_write(xss, g, s, 3, lt, tm)  # (wait on xdone, polls, total)
 
