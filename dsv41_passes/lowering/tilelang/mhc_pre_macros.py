@@ -167,7 +167,7 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
         is not a branch of the loop but its end."""
         acc_hi, acc_mid, acc_lo, sh0, sh1, sh2, sh3 = fr
         a0, a1, a2, a3, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, md0, md1, md2, md3, mds = b.smem
-        xss, s, gi = b.io[6], b.io[9], b.io[10]
+        h, wlo, wmid, x, ws, ss, xss, pre_prev, w_s, s, gi = b.io
         timers_start(b.tm)
         for j in T.serial(nloc):
             T.clear(acc_hi)  # (added to by instructions, not by a wgmma)
@@ -191,7 +191,7 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                     T.mbarrier_arrive(b.empty[(t - 1) % stages])
             T.wait_wgmma(0)
             T.mbarrier_arrive(b.empty[(j * nc + nc - 1) % stages])
-            publish(b.io[4], gi + j * groups, s, fr)
+            publish(ws, gi + j * groups, s, fr)
         timers_write(xss, gi, s, 6, lt, b.tm)  # (wait on full, -, total)
 
     @T.macro
