@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 tk = pytest.importorskip("dsv41_passes.lowering.triton.mhc")
-from dsv41_passes.lowering.triton.mhc_projection import stats_rows as fb  # noqa: E402
+from dsv41_passes.lowering.triton.mhc_finish import stats_rows as fb  # noqa: E402
 
 ITERS, HC_EPS, NORM_EPS = 20, 1e-6, 1e-6
 
@@ -63,22 +63,22 @@ def _sm90_builds(d: int = 5120) -> tuple[list[str], list[dict]]:
         "x_ptr w_ptr scale_ptr base_ptr pre_ptr post_ptr comb_ptr mix_ptr ws_ptr ss_ptr xss_ptr".split(), floats,
         dict(D=d, BM=sb, XB=tk._norm_block(d, sb), NC=1, NORM=True, MIXES=False, NPART=32,
              PARTS=d // tk._norm_block(d, sb), FB=fb(sb, 32), NP2=32, PDL=True, INTERP=False),
-        module="dsv41_passes.lowering.triton.mhc_projection", num_warps=4)
+        module="dsv41_passes.lowering.triton.mhc_finish", num_warps=4)
     xb = tk._norm_block(d, bm)
     for npart, parts in ((16, 16), (32, d // xb)):  # prefill layout; split 2 with the decode layout
         add(f"finish kernel {npart} partials", "_finish_kernel",
             "x_ptr w_ptr scale_ptr base_ptr pre_ptr post_ptr comb_ptr mix_ptr ws_ptr ss_ptr xss_ptr".split(), floats,
             dict(D=d, BM=bm, XB=xb, NC=d // xb // parts, NORM=True, MIXES=False, NPART=npart, PARTS=parts,
                  FB=fb(bm, npart), NP2=npart, PDL=False, INTERP=False),
-            module="dsv41_passes.lowering.triton.mhc_projection", num_warps=4)
-    from dsv41_passes.lowering.triton.mhc_projection import NORM_ROWS, norm_cols
+            module="dsv41_passes.lowering.triton.mhc_finish", num_warps=4)
+    from dsv41_passes.lowering.triton.mhc_finish import NORM_ROWS, norm_cols
 
     xw = norm_cols(d, NORM_ROWS)
     add("finish kernel row-major norm", "_finish_kernel",
         "x_ptr w_ptr scale_ptr base_ptr pre_ptr post_ptr comb_ptr mix_ptr ws_ptr ss_ptr xss_ptr".split(), floats,
         dict(D=d, BM=bm, XB=xw, NC=1, NORM=True, MIXES=False, NPART=16, PARTS=0, FB=fb(bm, 16), NP2=16,
              PDL=False, RX=NORM_ROWS, INTERP=False),
-        module="dsv41_passes.lowering.triton.mhc_projection", num_warps=4)
+        module="dsv41_passes.lowering.triton.mhc_finish", num_warps=4)
     cfg = tk.DEFAULTS["mhc_boundary"]
     add("boundary", "_proj_kernel", proj_ptrs, floats,
         dict(D=d, BK=bk, BM=cfg["BLOCK_M"], XB=tk._norm_block(d, cfg["BLOCK_M"]), BOUNDARY=True, COLLAPSE=True,
@@ -145,7 +145,7 @@ def test_triton_sm90_builds_one_wgmma_shape_and_no_fma():
               "decode boundary 16x4 split=2", "decode finish kernel", "finish kernel row-major norm",
               "post collapse split=1", "post collapse split=2"):
         assert built[n]["usage"]["STACK"] == 0, (n, built[n]["usage"])
-    from dsv41_passes.lowering.triton.mhc_projection import _gdc_wait
+    from dsv41_passes.lowering.triton.mhc_finish import _gdc_wait
 
     if _gdc_wait is not None:  # the pdl option: the projection lets the finish launch, the finish waits
         assert "griddepcontrol.launch_dependents" in built["decode pre 16x4 split=2"]["ptx"]

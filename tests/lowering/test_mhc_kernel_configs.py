@@ -24,7 +24,8 @@ def test_finish_kernel_gives_the_last_arriver_bits(weight):
     """``finish="kernel"`` (the reduction and the norm as a second launch, spread over column parts)
     computes exactly what the last slice program of each row block computes; 130 rows = 2 row blocks (the
     second a partial one of 2 rows), each normalized in 2 column parts on CPU (more on a GPU)."""
-    from dsv41_passes.lowering.triton.mhc_projection import _finish_parts, _norm_block
+    from dsv41_passes.lowering.triton.mhc_common import _norm_block
+    from dsv41_passes.lowering.triton.mhc_finish import _finish_parts
 
     assert _finish_parts(D, _norm_block(D, 128)) >= 2
     t = make_inputs(130, D, seed=9)

@@ -176,7 +176,7 @@ def mhc_pre(h, pre_prev, sliced, scale, base, weight, iters, hc_eps, norm_eps, e
         raise ValueError("TileLang mhc_pre: needs the float32 RMSNorm weight [hidden]")
     from ..triton.common import INTERPRET
     from ..triton.mhc_common import LAUNCH_OPTIONS
-    from ..triton.mhc_projection import _finish_kernel, stats_rows
+    from ..triton.mhc_finish import _finish_kernel, stats_rows
 
     x, ws, ss = partials(h, pre_prev, sliced, weight, eps, config=config)
     f32 = dict(dtype=torch.float32, device=h.device)

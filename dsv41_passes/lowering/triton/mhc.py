@@ -1,6 +1,6 @@
 """Triton kernels of the mHC family (hc_mult 4, bf16 residual): post, collapse, the boundary's post +
 collapse kernel and ``mhc_boundary``'s forms here, the projection kernel (stats, pre, the fused boundary)
-in ``mhc_projection``; configs in ``mhc_common``.
+in ``mhc_projection`` with its finish in ``mhc_finish``; configs in ``mhc_common``.
 
 Numerics shared by every kernel, so that one op's bits are the other ops' bits
 and never depend on M, the launch grid or the config:

@@ -1,4 +1,4 @@
-"""Configs and shared arithmetic of the Triton mHC kernels (``mhc`` and ``mhc_projection``).
+"""Configs and shared arithmetic of the Triton mHC kernels (``mhc``, ``mhc_projection`` and ``mhc_finish``).
 
 The numerics every kernel shares are stated in ``mhc``'s docstring.
 """

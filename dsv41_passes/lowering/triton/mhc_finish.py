@@ -1,0 +1,212 @@
+"""The finish of the Triton mHC projection (``mhc_projection``): the slice partials of a row block reduced in a fixed
+order, rsqrt, pre / post sigmoids, softmax + Sinkhorn (``_finish_stats``), and the RMSNorm of the collapse from its
+norm partials; run by the projection kernel's last program of a row block or as a launch of its own
+(``_finish_kernel``, also the finish of the TileLang ``mhc_pre``). Numerics: ``mhc``."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import gdc_wait as _gdc_wait
+from .common import pairwise_row_sum
+from .mhc_common import _NMIX, _normalize_cols
+
+
+@triton.jit
+def _partial_group(ws_ptr, slot0, rr, rmask, c0, BM: tl.constexpr, FB: tl.constexpr, NPART: tl.constexpr,
+                   NP2: tl.constexpr):
+    """Sum over the NPART partials of mix columns ``[c0, c0 + 4)`` for the FB rows ``rr`` of a row block:
+    one tile load ``[FB, NP2, 4]`` (16-byte vectors), then a pairwise tree over the partials."""
+    sp = tl.arange(0, NP2)
+    c4 = tl.arange(0, 4)
+    off = ((slot0 + sp[None, :, None]) * BM + rr[:, None, None]) * _NMIX + c0 + c4[None, None, :]
+    ok = rmask[:, None, None] & (sp[None, :, None] < NPART)  # broadcast over the 4 columns
+    t = tl.permute(tl.load(ws_ptr + off, mask=ok, other=0.0, cache_modifier=".cg"), (0, 2, 1))
+    return tl.reshape(pairwise_row_sum(tl.reshape(t, (FB * 4, NP2)), FB * 4, NP2), (FB, 4))
+
+
+@triton.jit
+def _norm_sumsq(xss_ptr, slot0, r, rmask, BM: tl.constexpr, NPART: tl.constexpr, CACHE: tl.constexpr,
+                R: tl.constexpr):
+    """The norm's sum of squares of the R rows ``r`` of a BM-row block: its NPART partials in slice order,
+    the order ``mhc_collapse`` and the TileLang ``mhc_pre`` sum them in."""
+    xs = tl.zeros((R,), tl.float32)
+    for s2 in tl.static_range(NPART):
+        xs += tl.load(xss_ptr + (slot0 + s2) * BM + r, mask=rmask, other=0.0, cache_modifier=CACHE)
+    return xs
+
+
+def stats_rows(bm: int, npart: int) -> int:
+    """Rows a stats program of the finish takes (FB): its partial tiles stay <= 2048 values each."""
+    np2 = triton.next_power_of_2(npart)
+    return max(1, min(bm, 2048 // (4 * np2)))
+
+
+@triton.jit
+def _finish_stats(
+    ws_ptr, ss_ptr, rb, rr, M, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, mix_ptr,
+    iters, hc_eps, norm_eps, K: tl.constexpr, BM: tl.constexpr, FB: tl.constexpr, MIXES: tl.constexpr,
+    NPART: tl.constexpr, NP2: tl.constexpr,
+):
+    """For FB rows of row block ``rb`` (``rr``: their index in the block; all its partials are in): the sum
+    of the NPART partials (a pairwise tree over them, ``_partial_group``), rsqrt, pre/post, softmax +
+    Sinkhorn. The partials are read as a few wide tiles, masked to the live rows: the loads of one
+    partial at a time had ~20 in flight and made the latency of the program (M = 1: 9.7 us for 32)."""
+    slot0 = rb * NPART
+    rows = rb * BM + rr
+    rmask = rows < M
+    c4 = tl.arange(0, 4)
+    t_pre = _partial_group(ws_ptr, slot0, rr, rmask, 0, BM, FB, NPART, NP2)
+    t_post = _partial_group(ws_ptr, slot0, rr, rmask, 4, BM, FB, NPART, NP2)
+    t_c0 = _partial_group(ws_ptr, slot0, rr, rmask, 8, BM, FB, NPART, NP2)
+    t_c1 = _partial_group(ws_ptr, slot0, rr, rmask, 12, BM, FB, NPART, NP2)
+    t_c2 = _partial_group(ws_ptr, slot0, rr, rmask, 16, BM, FB, NPART, NP2)
+    t_c3 = _partial_group(ws_ptr, slot0, rr, rmask, 20, BM, FB, NPART, NP2)
+    sp = tl.arange(0, NP2)
+    sso = (slot0 + sp[None, :]) * BM + rr[:, None]
+    ss = pairwise_row_sum(tl.load(ss_ptr + sso, mask=rmask[:, None] & (sp[None, :] < NPART), other=0.0,
+                                  cache_modifier=".cg"), FB, NP2)
+    rstd = (1.0 / tl.sqrt_rn(ss / K + norm_eps))[:, None]
+    m_pre = t_pre * rstd
+    m_post = t_post * rstd
+    m_c0 = t_c0 * rstd
+    m_c1 = t_c1 * rstd
+    m_c2 = t_c2 * rstd
+    m_c3 = t_c3 * rstd
+    m2 = rmask[:, None]
+    o4 = rows[:, None] * 4 + c4[None, :]
+    if MIXES:  # pre-Sinkhorn mixes, for numerics tests
+        mo = rows[:, None] * _NMIX + c4[None, :]
+        tl.store(mix_ptr + mo, m_pre, mask=m2)
+        tl.store(mix_ptr + mo + 4, m_post, mask=m2)
+        tl.store(mix_ptr + mo + 8, m_c0, mask=m2)
+        tl.store(mix_ptr + mo + 12, m_c1, mask=m2)
+        tl.store(mix_ptr + mo + 16, m_c2, mask=m2)
+        tl.store(mix_ptr + mo + 20, m_c3, mask=m2)
+    sc0 = tl.load(scale_ptr)
+    sc1 = tl.load(scale_ptr + 1)
+    sc2 = tl.load(scale_ptr + 2)
+    b4 = base_ptr + c4[None, :]
+    pre = tl.sigmoid(m_pre * sc0 + tl.load(b4)) + hc_eps
+    post = 2.0 * tl.sigmoid(m_post * sc1 + tl.load(b4 + 4))
+    # comb as 16 column vectors [FB]: every reduction of the Sinkhorn is then elementwise in registers
+    # (row sums of [FB, 4] tiles went through shared memory: two barriers each, 8 an iteration). The
+    # sums keep pairwise_row_sum's tree, so the bits are those of the tile form.
+    c00, c01, c02, c03 = _softmax_cols(m_c0 * sc2 + tl.load(b4 + 8), hc_eps, FB)
+    c10, c11, c12, c13 = _softmax_cols(m_c1 * sc2 + tl.load(b4 + 12), hc_eps, FB)
+    c20, c21, c22, c23 = _softmax_cols(m_c2 * sc2 + tl.load(b4 + 16), hc_eps, FB)
+    c30, c31, c32, c33 = _softmax_cols(m_c3 * sc2 + tl.load(b4 + 20), hc_eps, FB)
+    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps)
+    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps)
+    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps)
+    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps)
+    for _ in range(iters - 1):
+        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, hc_eps)
+        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, hc_eps)
+        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, hc_eps)
+        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, hc_eps)
+        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps)
+        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps)
+        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps)
+        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps)
+    tl.store(pre_ptr + o4, pre, mask=m2)
+    tl.store(post_ptr + o4, post, mask=m2)
+    cb = comb_ptr + rows * 16
+    _store4(cb, c00, c01, c02, c03, rmask)
+    _store4(cb + 4, c10, c11, c12, c13, rmask)
+    _store4(cb + 8, c20, c21, c22, c23, rmask)
+    _store4(cb + 12, c30, c31, c32, c33, rmask)
+
+
+@triton.jit
+def _norm4(a, b, c, d, eps):
+    """``v / (sum(v) + eps)`` for four same-shape vectors, summed as ``pairwise_row_sum`` sums 4."""
+    t = ((a + b) + (c + d)) + eps
+    return a / t, b / t, c / t, d / t
+
+
+@triton.jit
+def _softmax_cols(z, hc_eps, BM: tl.constexpr):
+    """Row softmax of a [BM, 4] tile, plus ``hc_eps``, as its four columns [BM] (the sum as
+    ``pairwise_row_sum`` sums 4)."""
+    lo, hi = tl.split(tl.reshape(z, (BM, 2, 2)))  # columns (0, 2) and (1, 3)
+    z0, z2 = tl.split(lo)
+    z1, z3 = tl.split(hi)
+    mx = tl.maximum(tl.maximum(z0, z1), tl.maximum(z2, z3))
+    e0, e1, e2, e3 = tl.exp(z0 - mx), tl.exp(z1 - mx), tl.exp(z2 - mx), tl.exp(z3 - mx)
+    t = (e0 + e1) + (e2 + e3)
+    return e0 / t + hc_eps, e1 / t + hc_eps, e2 / t + hc_eps, e3 / t + hc_eps
+
+
+@triton.jit
+def _store4(p, a, b, c, d, mask):
+    tl.store(p, a, mask=mask)
+    tl.store(p + 1, b, mask=mask)
+    tl.store(p + 2, c, mask=mask)
+    tl.store(p + 3, d, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M", "iters"])
+def _finish_kernel(
+    x_ptr, w_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, mix_ptr, ws_ptr, ss_ptr, xss_ptr,
+    M, stride_x, iters, hc_eps, norm_eps, eps,
+    D: tl.constexpr, BM: tl.constexpr, XB: tl.constexpr, NC: tl.constexpr, NORM: tl.constexpr,
+    MIXES: tl.constexpr, NPART: tl.constexpr, PARTS: tl.constexpr, FB: tl.constexpr, NP2: tl.constexpr,
+    PDL: tl.constexpr, RX: tl.constexpr, INTERP: tl.constexpr,
+):
+    """The reduction of ``_proj_kernel`` (FINISH=False) as its own launch; the same arithmetic as the
+    last-arriver path, spread over more programs (the serial tail of one program per row block is gone).
+
+    RX = 0 (grid (row block, part)): program part < PARTS normalizes NC * XB columns of its block's x,
+    programs part >= PARTS finish the stats of FB rows each. RX > 0 (a 1-D grid, prefill sizes): the
+    first programs finish the stats of FB rows each, then each of the others normalizes RX rows x XB
+    columns of x, in row-major order (long contiguous runs, as the post kernel reads: a 64 x 64 tile a
+    step read 128 bytes a row)."""
+    if PDL:  # launched before the projection kernel ended: wait for its writes (all of them visible after)
+        _gdc_wait()
+    if RX > 0:
+        pid = tl.program_id(0).to(tl.int64)
+        nstats = tl.cdiv(M, BM) * (BM // FB)
+        if pid < nstats:
+            rb = pid // (BM // FB)
+            rq = pid % (BM // FB) * FB + tl.arange(0, FB)
+            _finish_stats(ws_ptr, ss_ptr, rb, rq, M, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, mix_ptr,
+                          iters, hc_eps, norm_eps, 4 * D, BM, FB, MIXES, NPART, NP2)
+        elif NORM:
+            q = pid - nstats
+            xrows = q // (D // XB) * RX + tl.arange(0, RX)  # RX divides BM: rows of one row block
+            xs = _norm_sumsq(xss_ptr, xrows // BM * NPART, xrows % BM, xrows < M, BM, NPART, "", RX)
+            _normalize_cols(x_ptr, w_ptr, xrows, xrows < M, stride_x, xs, eps, q % (D // XB) * XB, 1, D, XB, "",
+                            INTERP)
+        return
+    rb = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    r = tl.arange(0, BM)
+    rows = rb * BM + r
+    rmask = rows < M
+    slot0 = rb * NPART
+    if part >= PARTS:  # stats of rows [q * FB, (q + 1) * FB) of the block
+        rq = (part - PARTS) * FB + tl.arange(0, FB)
+        _finish_stats(ws_ptr, ss_ptr, rb, rq, M, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, mix_ptr,
+                      iters, hc_eps, norm_eps, 4 * D, BM, FB, MIXES, NPART, NP2)
+    elif NORM:
+        xs = _norm_sumsq(xss_ptr, slot0, r, rmask, BM, NPART, "", BM)
+        _normalize_cols(x_ptr, w_ptr, rows, rmask, stride_x, xs, eps, part * NC * XB, NC, D, XB, "", INTERP)
+
+
+# Rows a norm program of the finish takes at prefill sizes (config key ``norm_rows``), with ``norm_cols``
+# columns: the post kernel's tile (4 x 1024), which reads at 97% of the copy bandwidth (run 24).
+NORM_ROWS = 4
+
+
+def norm_cols(d: int, rows: int) -> int:
+    """Columns of a row-major norm program of ``rows`` rows: the largest power of two dividing ``d``,
+    <= 1024 and <= 4096 elements a tile."""
+    return max(1, min(d & -d, 1024, 4096 // rows))
+
+
+def _finish_parts(d: int, xb: int) -> int:
+    """Column parts of ``_finish_kernel``: the most parts up to 16 that split the XB-chunks evenly."""
+    chunks = d // xb
+    return max(p for p in range(1, 17) if chunks % p == 0)
