@@ -120,6 +120,12 @@ CONFIGS["wg1-split-v2-normwg3-ws-dd"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"],
 # cut DRAM bytes by 8% but not the time (run 130); the normalizing warps did not pace that kernel. Written and built
 # for sm_90a (113 registers, no spills), not yet run on the GPU: no time or bits measured.
 CONFIGS["wg1-split-v2-normwg3-ws-xh"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"], x_hints=True)
+# the default with the norm partials laid out a row's 16 side by side (``xss_by_row``): a normalizing thread polls its
+# row with four 16-byte relaxed loads instead of 16 of 4 bytes (a warp's poll: 32 L2 sectors instead of 128, and the
+# polls are 29% of these warps' time in run 179); the vector role's publication becomes 64 scattered 4-byte stores a
+# row block instead of one run of 256 bytes. Written and built for sm_90a (121 registers, no spills), not yet run on
+# the GPU: no time or bits measured.
+CONFIGS["wg1-split-v2-normwg3-ws-xr"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"], xss_by_row=True)
 # Not kept (measured in runs 173-174 and 179-181, code not in the tree): the row's x loaded before its partials are
 # polled; the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role); the row
 # block's pre weights brought by TMA with its first stage; one stage-barrier arrival a warp instead of a thread;

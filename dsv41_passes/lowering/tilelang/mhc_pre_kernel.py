@@ -99,6 +99,15 @@ X_HINTS_SOURCE = r"""
 DSV41_ST16(dsv41_st16_evict_last, "evict_last")
 DSV41_ST16(dsv41_st16_evict_first, "evict_first")
 """
+# four norm partials by one 16-byte relaxed load (``xss_by_row``); each element is a value another CTA stored whole
+LD4_RELAXED_SOURCE = r"""
+__device__ __forceinline__ void dsv41_ld4_relaxed(void* dst, void* src) {
+  float4 v;
+  asm volatile("ld.relaxed.gpu.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(src) : "memory");
+  *reinterpret_cast<float4*>(dst) = v;
+}
+"""
 
 @contextlib.contextmanager
 def _n24():
@@ -121,7 +130,8 @@ def _n24():
 def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: int = 1, lag: int = LAG,
           mid_resident: bool = True, producer: bool = False, rings: int = 1, split_roles: bool = False,
           vec_wgs: int = 1, x_hints: bool = False, norm_wg: bool = False, norm_warps: int = 2,
-          norm_w_smem: bool = False, diag: str = "", norm_prepoll: bool = False, dots_defer: bool = False):
+          norm_w_smem: bool = False, diag: str = "", norm_prepoll: bool = False, dots_defer: bool = False,
+          xss_by_row: bool = False):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
@@ -143,10 +153,11 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     read the norm weights from the consumers' shared copy instead of global memory; ``norm_prepoll`` (``norm_wg``):
     the normalizing warps load a pass's partials a pass ahead (``normalize_blocks``); ``dots_defer`` (split roles):
     the dots' warpgroup issues a step's four hi dots first and leaves its last chains in flight into the next step
-    (``dots_deferred``). ``diag`` (probe builds only, ``benchmarks/probe_mhc_pre_diag.py``; comma-separated):
-    "timers" has the first thread of each role (producer, normalizing warps, dots, vector) count clock64 cycles
-    waiting on its barriers and in all, written over xss at the end; "nonorm", "novec", "nodots" and "noxstore" drop
-    that work (wrong results by design).
+    (``dots_deferred``); ``xss_by_row``: the norm partials laid out with a row's 16 side by side, so a poll is four
+    16-byte loads, not 16 of 4 bytes. ``diag`` (probe builds only, ``benchmarks/probe_mhc_pre_diag.py``;
+    comma-separated): "timers" has the first thread of each role (producer, normalizing warps, dots, vector) count
+    clock64 cycles waiting on its barriers and in all, written over xss at the end (in the partial layout); "nonorm",
+    "novec", "nodots" and "noxstore" drop that work (wrong results by design).
 
     Arguments: ``h [M, 4d]`` bf16, ``hi/mid/lo [16, 4, 24, d/16]`` bf16 (slice-major parts), ``pre_prev
     [M, 4]`` f32, ``w [d]`` f32 -> ``x [M, d]`` bf16 (normalized), ``ws [nrb*16*64, 24]``, ``ss``,
@@ -201,7 +212,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     mc = kernel_macros(T, SimpleNamespace(
         S=S, d=d, eps=eps, m=m, BM=BM, SENTINEL=SENTINEL, ds=ds, bk=bk, nc=nc, bm=bm, wgs=wgs, groups=groups,
         rings=rings, nrun=nrun, vals=vals, run_col=run_col, x_hints=x_hints, mid_resident=mid_resident, lead=lead,
-        nt=nt, nring=nring, flags=flags, norm_w_smem=norm_w_smem, norm_prepoll=norm_prepoll, nmix=NMIX, stages=stages))
+        nt=nt, nring=nring, flags=flags, norm_w_smem=norm_w_smem, norm_prepoll=norm_prepoll, nmix=NMIX, stages=stages,
+        xss_by_row=xss_by_row))
     pslot, row_rstd, store_x, norm_chunk, load_chunk = mc.pslot, mc.row_rstd, mc.store_x, mc.norm_chunk, mc.load_chunk
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
     stream_dots, load_stream, issue, resident, normalize_blocks = (
@@ -346,7 +358,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                         xq[0] = T.ieee_add(xq[0], red[1])
                     if hf == 0:
                         ss[pslot(rb, r, s)] = sq[0]
-                        T.atomic_store(xss[pslot(rb, r, s)], xq[0], memory_order="relaxed")
+                        T.atomic_store(xss[mc.xslot(rb, r, s)], xq[0], memory_order="relaxed")
                     if norm_wg:  # after this thread's x stores of the block (release: the warps read them next)
                         T.mbarrier_arrive(b.xdone[j % nring])
             # the last ``lag`` row blocks of this CTA: normalized after the loop
@@ -361,6 +373,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
 
         return consume
 
+    prelude = (X_HINTS_SOURCE if x_hints else "") + (LD4_RELAXED_SOURCE if xss_by_row else "") or None
+
     @T.prim_func
     def pre(
         h: T.Tensor((m, k_total), bf16),
@@ -374,7 +388,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         ss: T.Tensor((T.ceildiv(m, bm) * wgs * S * BM,), f32),
         xss: T.Tensor((T.ceildiv(m, bm) * wgs * S * BM,), f32),
     ):
-        with T.Kernel(groups * S, threads=threads, prelude=X_HINTS_SOURCE if x_hints else None) as cta:
+        with T.Kernel(groups * S, threads=threads, prelude=prelude) as cta:
             s = cta % S
             g = cta // S
             # resident parts, one [24, DS] tile a stream (laid out as DS/32 swizzled [24, 32] chunks)

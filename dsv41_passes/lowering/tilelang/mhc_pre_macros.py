@@ -1,8 +1,8 @@
 """The building blocks of the TileLang ``mhc_pre`` kernel (``mhc_pre_kernel.build``), as TileLang macros over one
-kernel's geometry: the partial layout, the norm (its rsqrt from the 16 slices' partials, the x loads and stores, the
-normalizing warps' loop), the dots and the vector role's stage reads, and the TMA copies of a step and of the resident
-weight parts. ``build`` takes them from ``kernel_macros``; each macro's docstring says what it does. Moved out of
-``build`` unchanged: the CUDA source of every config is the same as before (md5 of ``get_kernel_source()``)."""
+kernel's geometry: the partial layouts, the norm (its rsqrt from the 16 slices' partials, the x loads and stores, the
+normalizing warps' loop), the dots (per stream, and the deferred loop of ``dots_defer``) and the vector role's stage
+reads, and the TMA copies of a step and of the resident weight parts. ``build`` takes them from ``kernel_macros``;
+each macro's docstring says what it does."""
 
 # No ``from __future__ import annotations``: TileLang evaluates the macros' annotations.
 
@@ -17,12 +17,18 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
     nrun, vals, run_col, x_hints, mid_resident, lead, nt, nring = (
         g.nrun, g.vals, g.run_col, g.x_hints, g.mid_resident, g.lead, g.nt, g.nring)
     flags, norm_w_smem, norm_prepoll, nmix, stages = g.flags, g.norm_w_smem, g.norm_prepoll, g.nmix, g.stages
+    xss_by_row = g.xss_by_row
     timers = "timers" in flags
     bf16, f32 = "bfloat16", "float32"
 
     def pslot(rb, r, s2):
         """Index of row r of kernel row block rb, slice s2, in the 64-row partial layout."""
         return ((rb * wgs + r // BM) * S + s2) * BM + r % BM
+
+    def xslot(rb, r, s2):
+        """Index of that row's slice-s2 norm partial in xss: the partial layout, or with ``xss_by_row`` a row's 16
+        partials side by side (64 bytes, polled as four 16-byte loads)."""
+        return ((rb * wgs + r // BM) * BM + r % BM) * S + s2 if xss_by_row else pslot(rb, r, s2)
 
     def clock():
         """The SM cycle counter (``diag`` timers)."""
@@ -62,8 +68,13 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
     @T.macro
     def poll_issue(xss, rbn, r, pv):
         """pv <- row r's 16 slice partials as they are now (relaxed loads from L2; checked by ``row_rstd``)."""
-        for s2 in T.unroll(S):
-            pv[s2] = T.atomic_load(xss[pslot(rbn, r, s2)], memory_order="relaxed")
+        if xss_by_row:
+            for q in T.unroll(S // 4):
+                T.call_extern("handle", "dsv41_ld4_relaxed", T.address_of(pv[q * 4]),
+                              T.address_of(xss[xslot(rbn, r, q * 4)]))
+        else:
+            for s2 in T.unroll(S):
+                pv[s2] = T.atomic_load(xss[pslot(rbn, r, s2)], memory_order="relaxed")
 
     @T.macro
     def row_rstd(xss, rbn, r, pv, red, polled=False):
@@ -81,8 +92,7 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                     T.loop_break()
         else:
             for _ in T.serial(m + (1 << 30)):  # a ``while`` is not accepted here; a runtime bound is not unrolled
-                for s2 in T.unroll(S):
-                    pv[s2] = T.atomic_load(xss[pslot(rbn, r, s2)], memory_order="relaxed")
+                poll_issue(xss, rbn, r, pv)
                 red[0] = 0.0
                 for s2 in T.unroll(S):
                     red[0] = T.if_then_else(pv[s2] == SENTINEL, 1.0, red[0])
@@ -292,8 +302,8 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
             T.mbarrier_arrive(xfree[jj % nring])
         timers_write(xss, g, s, 3, lt, tm)  # (wait on xdone, polls, total)
 
-    return SimpleNamespace(pslot=pslot, normed=normed, row_rstd=row_rstd, store_x=store_x, norm_chunk=norm_chunk,
-                           load_chunk=load_chunk, stream_dots=stream_dots, load_stream=load_stream, issue=issue,
-                           resident=resident, normalize_blocks=normalize_blocks, timed_wait=timed_wait,
-                           publish=publish, dots_deferred=dots_deferred,
+    return SimpleNamespace(pslot=pslot, xslot=xslot, normed=normed, row_rstd=row_rstd, store_x=store_x,
+                           norm_chunk=norm_chunk, load_chunk=load_chunk, stream_dots=stream_dots,
+                           load_stream=load_stream, issue=issue, resident=resident, normalize_blocks=normalize_blocks,
+                           timed_wait=timed_wait, publish=publish, dots_deferred=dots_deferred,
                            timers_start=timers_start, timers_write=timers_write)
