@@ -1,10 +1,12 @@
 """Forms of the Triton ``mhc_boundary`` (post of sub-block i, then stats + collapse + norm of i+1), V4.1-Flash
 shapes: ``post_pre`` (the post kernel, then ``mhc_pre``: what the pass formed before), ``post_collapse`` (one
 kernel for the post and the collapse + norm of whole rows, then ``mhc_stats``) at several rows / warps a
-program, and ``fused`` (the projection kernel computes the post). Each variant's five outputs are compared
-bitwise with ``post_pre``'s, then timed as a CUDA-graph replay with the device time of each kernel.
+program, and ``fused`` (the projection kernel computes the post). ``--tilelang``: also the TileLang boundaries, the
+Triton post then the TileLang ``mhc_pre`` (the provider's path) and the post inside the persistent kernel
+(``mhc_pre.mhc_boundary``, with the default config and ``--tilelang-configs NAME,...``). Each variant's five outputs
+are compared bitwise with ``post_pre``'s, then timed as a CUDA-graph replay with the device time of each kernel.
 
-    source .devsite/setup.sh && python3 benchmarks/probe_mhc_boundary.py [--no-fused] [M ...]
+    source .devsite/setup.sh && python3 benchmarks/probe_mhc_boundary.py [--no-fused] [--tilelang] [M ...]
 """
 
 from __future__ import annotations
@@ -32,7 +34,30 @@ def variants(m: int) -> dict[str, dict]:
         out[f"post_collapse {r}x{c} w{w}"] = dict(stats, form="post_collapse", post_rows=r, post_cols=c, post_warps=w)
     if "--no-fused" not in sys.argv and m <= 4096:
         out["fused"] = dict(pre, form="fused")
+    if "--tilelang" in sys.argv:
+        names = [None]
+        if "--tilelang-configs" in sys.argv:
+            names += sys.argv[sys.argv.index("--tilelang-configs") + 1].split(",")
+        out["tilelang post_pre"] = dict(tilelang="post_pre", name=None)
+        for name in names:
+            out[f"tilelang fused {name or 'default'}"] = dict(tilelang="fused", name=name)
     return out
+
+
+def run_tilelang(t: dict, c: dict):
+    """The TileLang boundaries: the Triton post then the TileLang ``mhc_pre``, or the post in the persistent kernel."""
+    from dsv41_passes.lowering.mhc_weights import slice_major
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+    from dsv41_passes.lowering.triton import mhc as tk
+
+    if "sliced" not in t:
+        t["sliced"] = slice_major(t["parts"], D, 24)
+    args = (t["sliced"], t["scale"], t["base"], t["w"], ITERS, EPS, EPS, EPS)
+    cfg = None if c["name"] is None else tlp.CONFIGS[c["name"]]
+    if c["tilelang"] == "fused":
+        return tlp.mhc_boundary(t["y"], t["h"], t["post"], t["comb"], t["pre_prev"], *args, config=cfg)
+    new = tk.mhc_post(t["y"], t["h"], t["post"], t["comb"], batch_invariant=False)
+    return (new, *tlp.mhc_pre(new, t["pre_prev"], *args, config=cfg))
 
 
 def main() -> None:
@@ -41,13 +66,15 @@ def main() -> None:
     from dsv41_passes.lowering.triton import mhc as tk
 
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
-    sizes = [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [1, 128, 256, 512, 1024, 4096, 16384, 65536]
+    sizes = [int(a) for a in sys.argv[1:] if a.isdigit()] or [1, 128, 256, 512, 1024, 4096, 16384, 65536]
     rows = []
     for m in sizes:
         t = mhc_inputs(m)
         y, post, comb = t["y"], t["post"], t["comb"]
 
         def run(c):
+            if "tilelang" in c:
+                return run_tilelang(t, c)
             return tk.mhc_boundary(y, t["h"], post, comb, t["pre_prev"], t["parts"], t["scale"], t["base"], t["w"],
                                    ITERS, EPS, EPS, EPS, batch_invariant=False, config=c)
 

@@ -1,11 +1,9 @@
-"""The persistent TileLang ``mhc_pre`` (prefill sizes): its weight layout and provider rules on CPU, its
-sm_90a build (nvcc, no GPU), and on an H200 its bits against the Triton kernel and its numerics against
-float64 at V4.1-Flash shapes."""
+"""The persistent TileLang ``mhc_pre`` (prefill sizes): its weight layout, configs and provider rules on CPU, and on an
+H200 its bits against the Triton kernel (and of its fused boundary against the Triton boundary) and its numerics
+against float64 at V4.1-Flash shapes. Its sm_90a builds: ``test_mhc_pre_builds.py``."""
 
 from __future__ import annotations
 
-import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -76,103 +74,6 @@ def test_kernel_rejects_what_it_cannot_run():
     assert "32-column chunks" in tlp.unsupported(torch.zeros(2, 4, 256, dtype=torch.bfloat16))
     assert tlp.unsupported(torch.zeros(2, 4, 5120, dtype=torch.bfloat16)) is None
     assert tlp.groups_for(132) == 8 and tlp.groups_for(114) == 7 and tlp.groups_for(8) == 1
-
-
-@pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-producer", "wg1-split",
-                                  "wg1-split-v2", "wg1-split-v2-xhints", "wg1-split-v2-normwg",
-                                  "wg1-split-v2-normwg3", "wg1-split-v2-normwg3-ws",
-                                  "wg1-split-v2-normwg3-ws-pp", "wg1-split-v2-normwg3-ws-dd",
-                                  "wg1-split-v2-normwg3-ws-xh", "wg1-split-v2-normwg3-ws-xr"])
-def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
-    """The sm_90a build: one wgmma shape (m64n24k16, the 24 mix columns unpadded), rounding spelled out
-    (no contraction: nvcc --fmad=false and explicit __f*_rn), the residual loads by TMA with the
-    evict-first hint, no register spills, and the shared memory within the 227 KiB an SM gives a block.
-    With a producer warpgroup: warp 0 alone issues the copies, each stage's reuse waits for the consumers'
-    release, and after the set-up no barrier takes the whole CTA. With two stage rings: warp 1 fills the second,
-    and each consumer warpgroup has a loop of its own (its own wgmma, 12 a step). With split roles: warpgroup 1
-    issues every wgmma, warpgroup 2 stores x and publishes the norm partials."""
-    pytest.importorskip("tilelang")
-    if shutil.which("nvcc") is None:
-        pytest.skip("nvcc is not installed: TileLang cannot build the sm_90a cubin")
-    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
-    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
-
-    cfg = tlp.CONFIGS[name]
-    producer = cfg.get("producer", False)
-    rings = cfg.get("rings", 1)
-    split = cfg.get("split_roles", False)
-    k = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, **cfg), producer)
-    src = k.get_kernel_source()
-    if producer:
-        assert src.count("__syncthreads()") == 1  # the barriers' initialization
-        assert "if (((int)threadIdx.x) < 32) {" in src and "tl_shuffle_elect<32>" in src
-        assert "tl_shuffle_elect<128>" not in src and "tl_shuffle_elect<256>" not in src
-        if rings == 1:
-            assert f"empty[(q & {cfg['stages'] - 1})].wait(" in src and "].arrive();" in src
-        else:  # warp w waits on ring w's stages
-            assert "if (((int)threadIdx.x) < 64) {" in src
-            assert "empty[(((((int)threadIdx.x) >> 5) * 2) + (q & 1))].wait(" in src
-            assert "if (((int)threadIdx.x) < 256) {" in src and "if (256 <= ((int)threadIdx.x)) {" in src
-        # two consumer warpgroups (384 threads) need registers moved to them; one (256) has them already, and
-        # with three (512) each role keeps the launch's 128
-        vec_wgs = cfg.get("vec_wgs", 1)
-        assert ("warpgroup_reg_alloc<240>" in src) == (cfg["wgs"] * rings * (1 + vec_wgs if split else 1) == 2)
-        assert "warpgroup_reg_alloc" not in src or vec_wgs == 1
-        if split:
-            dots, rest = src.split("if (256 <= ((int)threadIdx.x)) {")
-            assert "if (((int)threadIdx.x) < 256) {" in dots and "wgmma_ss<" not in rest
-            assert "AtomicStore" in rest and "AtomicStore" not in dots.split("if (((int)threadIdx.x) < 256) {")[1]
-            # two vector warpgroups: 512 threads, four a row, the runs' sums paired across lanes 1 then 2 apart
-            assert f"__launch_bounds__({256 + 128 * vec_wgs}" in src
-            lanes = set(re.findall(r"__shfl_xor_sync\([^,]*, [^,]*, (\d+)", rest))
-            assert lanes == ({"1", "2"} if vec_wgs == 2 else {"1"}), lanes
-    if cfg.get("norm_wg"):  # warps 2-3 (or 1-3) alone poll the norm partials; the vector role hands blocks over, back
-        front, vector = src.split("if (256 <= ((int)threadIdx.x)) {")
-        first = 128 - 32 * cfg.get("norm_warps", 2)
-        polls = 3 if cfg.get("norm_prepoll") else 1  # with norm_prepoll: before xdone, a pass ahead, and the re-poll
-        if cfg.get("xss_by_row"):  # a row's 16 partials as four 16-byte relaxed loads (and the helper's definition)
-            poll = "dsv41_ld4_relaxed(("
-            assert "AtomicLoad" not in src and src.count(poll) == polls and "ld.relaxed.gpu.global.v4.f32" in src
-        else:
-            poll = "AtomicLoad"
-            assert src.count(poll) == polls
-        assert f"if ({first} <= ((int)threadIdx.x)) {{" in front.split(poll)[0]
-        assert "xdone[" in vector and "].arrive();" in vector and "xfree[" in vector and "].wait(" in vector
-        # their weights: from the consumers' shared copy with norm_w_smem (nw is then read once, into w_s)
-        assert ("(nw + " in front) != bool(cfg.get("norm_w_smem")) and src.count(" = nw[") == 1
-    if cfg.get("x_hints"):  # the plain x stores, once in the step and in the lagged norm (in and after the loop) or
-        # the normalizing warps' pass, through the hinted helpers
-        assert "createpolicy.fractional.L2::" in src and "st.global.L2::cache_hint.v4.b32" in src
-        firsts = 1 if cfg.get("norm_wg") else 2
-        assert src.count("dsv41_st16_evict_last(") == 1 and src.count("dsv41_st16_evict_first(") == firsts
-    if cfg.get("norm_wg"):
-        assert ("dsv41_st16_evict_first(" in front) == bool(cfg.get("x_hints"))  # (front: the normalizing warps)
-    shapes = set(re.findall(r"wgmma_ss<[^>]*kFloat32, (\d+), (\d+), (\d+),", src))
-    assert shapes == {("64", "24", "16")}, shapes
-    waits = re.findall(r"tl::wait_wgmma<(\d)>", src)
-    if cfg.get("dots_defer"):  # streams 1-3's chains of a step in flight into the next; all waited at a block's end
-        assert src.count("wgmma_ss<") == 12 and waits == ["6", "0"], waits
-        dots = src[src.index("if (((int)threadIdx.x) < 256) {"):src.index("if (256 <= ((int)threadIdx.x)) {")]
-        issued = re.findall(r"\(\(uint32_t\*\)\((\w+) \+ 0\)\)", dots)  # the accumulator of each wgmma, in order
-        assert issued[:4] == ["sh0", "sh1", "sh2", "sh3"] and issued[4:] == ["acc_mid", "acc_lo"] * 4, issued
-        assert dots.count("((c == 0) ? 0 : 1)") == 2  # a row block's chains start from zero by stream 0's scale-d
-    else:
-        assert src.count("wgmma_ss<") == 12 * rings and waits == ["0"] * rings  # 4 streams x 3 parts, one wait a step
-    assert "tma_load<tl::CacheHintSm90::EVICT_FIRST>(h_desc" in src
-    assert "__fmaf_rn" in src and "__fdiv_rn" in src and "__fsqrt_rn" in src
-    offsets = [int(v) for v in re.findall(r"buf_dyn_shmem \+ (\d+)\)", src)]
-    assert max(offsets) < 227 * 1024
-    cubins = list(Path(tmp_path).rglob("*.cubin"))
-    tool = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if cubins and tool.exists():
-        out = subprocess.run([str(tool), "--dump-resource-usage", str(cubins[0])], capture_output=True, text=True)
-        usage = dict(re.findall(r"\b(REG|STACK):(\d+)", out.stdout))
-        assert usage and int(usage["STACK"]) == 0 and int(usage["REG"]) <= 255, usage
-        # the wgmmas stay asynchronous: one warpgroup barrier a wait in the source; where ptxas cannot keep them in
-        # flight (too few registers, accumulators touched while in flight: C7512-C7518) it puts one after each
-        sass = subprocess.run([str(tool), "-sass", str(cubins[0])], capture_output=True, text=True).stdout
-        assert sass.count("HGMMA.64x24x16") == 2 * src.count("wgmma_ss<")  # two k16 steps a 32-column chunk
-        assert sass.count("WARPGROUP.DEPBAR") == len(waits), (sass.count("WARPGROUP.DEPBAR"), len(waits))
 
 
 # ----------------------------------------------------------------------------- H200
@@ -250,6 +151,30 @@ def test_gpu_boundary_provider_matches_the_triton_boundary(m):
     assert p.name == "tilelang", why
     got = torch.ops.dsv41.mhc_boundary(*args, "tilelang,triton", mode)
     ref = torch.ops.dsv41.mhc_boundary(*args, "triton", mode)
+    for what, a, b in zip(("new residual", "x", "pre", "post", "comb"), got, ref):
+        assert torch.equal(a, b), f"{what}: {(a != b).sum().item()} of {a.numel()} differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [None, "wg1-split-v2-normwg3-ws-dd"])
+@pytest.mark.parametrize("m", [1, 1536, 4097, 65536])
+def test_gpu_fused_boundary_matches_the_triton_boundary(m, name):
+    """``mhc_pre.mhc_boundary`` (the post inside the persistent kernel) gives the Triton boundary's bits: the new
+    residual, x and the stats."""
+    _skip_without_tilelang()
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+    from dsv41_passes.lowering.triton import mhc as tk
+
+    from mhc_cases import make_inputs
+
+    t = make_inputs(m, FLASH_D, seed=m, device="cuda")
+    parts = build_parts(t["fn"])
+    sliced = slice_major(parts, FLASH_D, 24)
+    args = (t["scale"], t["base"], t["w"], ITERS, HC_EPS, NORM_EPS, EPS)
+    got = tlp.mhc_boundary(t["y"], t["h"], t["post"], t["comb"], t["pre_prev"], sliced, *args,
+                           config=None if name is None else tlp.CONFIGS[name])
+    ref = tk.mhc_boundary(t["y"], t["h"], t["post"], t["comb"], t["pre_prev"], parts, *args, batch_invariant=False,
+                          config=dict(tk.default_config("mhc_boundary"), form="post_pre"))
     for what, a, b in zip(("new residual", "x", "pre", "post", "comb"), got, ref):
         assert torch.equal(a, b), f"{what}: {(a != b).sum().item()} of {a.numel()} differ"
 
@@ -341,49 +266,6 @@ def test_default_config_from_the_environment():
     assert run("wg1-split").stdout.split() == ["True", "False"]
     bad = run("wg9")
     assert bad.returncode != 0 and "DSV41_MHC_PRE_TILELANG_CONFIG='wg9'" in bad.stderr and "wg1-split-v2" in bad.stderr
-
-
-def test_two_vector_warpgroups_need_split_roles():
-    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
-
-    pytest.importorskip("tilelang")
-    with pytest.raises(ValueError, match="two vector warpgroups need split roles"):
-        tlp.build(FLASH_D, 8, EPS, stages=4, wgs=1, producer=True, vec_wgs=2)
-    with pytest.raises(ValueError, match="two vector warpgroups"):
-        tlp.build(FLASH_D, 8, EPS, stages=4, wgs=1, producer=True, split_roles=True, vec_wgs=3)
-
-
-def test_build_options_are_checked():
-    """``diag`` takes only its known flags, ``norm_w_smem`` only goes with the normalizing warps and ``dots_defer``
-    with split roles."""
-    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
-
-    pytest.importorskip("tilelang")
-    with pytest.raises(ValueError, match="diag 'timers,nosq'"):
-        tlp.build(FLASH_D, 8, EPS, **dict(tlp.DEFAULT_CONFIG, diag="timers,nosq"))
-    with pytest.raises(ValueError, match="norm_w_smem and norm_prepoll are for the normalizing warps"):
-        tlp.build(FLASH_D, 8, EPS, **dict(tlp.CONFIGS["wg1-split-v2"], norm_w_smem=True))
-    with pytest.raises(ValueError, match="dots_defer needs split roles"):
-        tlp.build(FLASH_D, 8, EPS, **dict(tlp.CONFIGS["wg1-producer"], dots_defer=True))
-
-
-@pytest.mark.parametrize("name", [None, "wg1-split-v2-normwg3-ws-dd"])  # the default; the deferred dots' own loop
-def test_diag_timers_build(name, tmp_path, monkeypatch):
-    """The probe build (``diag`` "timers", ``benchmarks/probe_mhc_pre_diag.py``): each role's first thread reads the
-    cycle counter around its barrier waits and writes three counts over xss at the end; no spills."""
-    pytest.importorskip("tilelang")
-    if shutil.which("nvcc") is None:
-        pytest.skip("nvcc is not installed: TileLang cannot build the sm_90a cubin")
-    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
-    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
-
-    cfg = tlp.DEFAULT_CONFIG if name is None else tlp.CONFIGS[name]
-    src = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, **dict(cfg, diag="timers")), True)
-    src = src.get_kernel_source()
-    writes = re.findall(r"xss\[\(+\(\(int\)blockIdx.x\) \* 64\) \+ k_\d+\)(?: \+ (\d+))?\)?\] = \(\(float\)tm\[", src)
-    assert sorted(int(w or 0) for w in writes) == [0, 3, 6, 9] and src.count("clock64()") >= 16  # a role's rows
-    plain = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, **cfg), True).get_kernel_source()
-    assert "clock64" not in plain
 
 
 def test_provider_runs_from_its_threshold(monkeypatch):

@@ -18,7 +18,7 @@ from ..mhc_weights import NUM_SLICES, slice_geometry
 from .mhc_pre_kernel import BM, HALF, HC, LAG, NMIX, SENTINEL, build, compile_kernel
 
 __all__ = ["BM", "CONFIGS", "HALF", "HC", "LAG", "NMIX", "SENTINEL", "build", "compile_kernel", "groups_for",
-           "mhc_pre", "partials", "unsupported"]
+           "mhc_boundary", "mhc_pre", "partials", "unsupported"]
 
 _LOCK = threading.Lock()
 _KERNELS: dict[tuple[Any, ...], Any] = {}
@@ -140,13 +140,17 @@ DEFAULT_CONFIG = CONFIGS[_ENV_CONFIG]
 
 
 def partials(h, pre_prev, sliced, weight, eps: float, *, config: dict | None = None, groups: int | None = None,
-             with_xss: bool = False):
+             with_xss: bool = False, post: tuple | None = None):
     """The persistent kernel alone: ``x [M, d]`` (collapse + RMSNorm) and the slice partials ``ws, ss``
     in the Triton finish kernel's layout (64-row blocks, 16 slices); ``with_xss``: also the norm partials ``xss``
-    (where a ``diag`` "timers" build leaves its counts, ``benchmarks/probe_mhc_pre_diag.py``)."""
+    (where a ``diag`` "timers" build leaves its counts, ``benchmarks/probe_mhc_pre_diag.py``). ``post``: ``(y, post,
+    comb)`` of ``mhc_boundary`` (a ``boundary`` build, which ``boundary`` makes of the config): ``h`` is then the
+    old residual, and the new one, computed and written by the kernel, comes first."""
     cfg = dict(DEFAULT_CONFIG if config is None else config)  # a whole config (a ``CONFIGS`` entry)
     if "wgs" not in cfg or "stages" not in cfg:
         raise ValueError(f"TileLang mhc_pre: a config names at least wgs and stages, got {config!r}")
+    if bool(cfg.get("boundary")) != (post is not None):
+        raise ValueError("TileLang mhc_pre: a boundary build takes (y, post, comb), and only it does")
     m, n, d = h.shape
     dev = h.device
     if groups is None:
@@ -159,33 +163,41 @@ def partials(h, pre_prev, sliced, weight, eps: float, *, config: dict | None = N
     ws = torch.empty((rows, NMIX), **f32)
     ss = torch.empty((rows,), **f32)
     xss = torch.full((rows,), SENTINEL, **f32)
+    new = torch.empty_like(h) if post is not None else None
     if m:
+        extra = ()
+        if post is not None:
+            y, p, c = post
+            extra = (y.contiguous(), p.contiguous(), c.reshape(m, n * n).contiguous(), new.view(m, n * d))
         _kernel(d, groups, eps, cfg)(
             h.view(m, n * d), sliced[0], sliced[1], sliced[2], pre_prev.contiguous(), weight.contiguous(),
-            x, ws, ss, xss,
+            x, ws, ss, xss, *extra,
         )
-    return (x, ws, ss, xss) if with_xss else (x, ws, ss)
+    out = (x, ws, ss, xss) if with_xss else (x, ws, ss)
+    return out if new is None else (new, *out)
 
 
-def mhc_pre(h, pre_prev, sliced, scale, base, weight, iters, hc_eps, norm_eps, eps, *, config: dict | None = None,
-            mixes: bool = False):
-    """``(x, pre, post, comb)`` of ``mhc_pre`` (``sliced``: ``mhc_weights.bf16x3_slice_parts``); the stats
-    are the Triton finish kernel's on this kernel's partials. ``mixes``: also the pre-Sinkhorn mixes."""
+def _check(op: str, h, sliced, weight):
     why = unsupported(h)
     if why:
-        raise ValueError(f"TileLang mhc_pre: {why}")
-    m, n, d = h.shape
+        raise ValueError(f"TileLang {op}: {why}")
+    d = h.shape[2]
     if tuple(sliced.shape) != (3, NUM_SLICES, HC, NMIX, d // NUM_SLICES) or sliced.dtype != torch.bfloat16:
-        raise ValueError(f"TileLang mhc_pre: sliced parts must be bf16 [3, 16, 4, 24, {d // NUM_SLICES}], "
+        raise ValueError(f"TileLang {op}: sliced parts must be bf16 [3, 16, 4, 24, {d // NUM_SLICES}], "
                          f"got {sliced.dtype} {tuple(sliced.shape)}")
     if weight is None or weight.dtype != torch.float32 or tuple(weight.shape) != (d,):
-        raise ValueError("TileLang mhc_pre: needs the float32 RMSNorm weight [hidden]")
+        raise ValueError(f"TileLang {op}: needs the float32 RMSNorm weight [hidden]")
+
+
+def _finish(x, ws, ss, weight, scale, base, iters, hc_eps, norm_eps, eps, mixes: bool = False):
+    """``(pre, post, comb[, mixes])``: the Triton finish kernel on the partials."""
     from ..triton.common import INTERPRET
     from ..triton.mhc_common import LAUNCH_OPTIONS
     from ..triton.mhc_finish import _finish_kernel, stats_rows
 
-    x, ws, ss = partials(h, pre_prev, sliced, weight, eps, config=config)
-    f32 = dict(dtype=torch.float32, device=h.device)
+    m, d = x.shape
+    n = HC
+    f32 = dict(dtype=torch.float32, device=x.device)
     pre, post, comb = torch.empty((m, n), **f32), torch.empty((m, n), **f32), torch.empty((m, n, n), **f32)
     mix = torch.empty((m, NMIX), **f32) if mixes else pre
     if m:
@@ -196,5 +208,31 @@ def mhc_pre(h, pre_prev, sliced, scale, base, weight, iters, hc_eps, norm_eps, e
             D=d, BM=BM, XB=1, NC=1, NORM=False, MIXES=mixes, NPART=NUM_SLICES, PARTS=0,
             FB=fb, NP2=NUM_SLICES, PDL=False, RX=0, INTERP=INTERPRET, num_warps=4, **LAUNCH_OPTIONS,
         )
-    out = (x, pre, post, comb)
-    return (*out, mix) if mixes else out
+    return (pre, post, comb, mix) if mixes else (pre, post, comb)
+
+
+def mhc_pre(h, pre_prev, sliced, scale, base, weight, iters, hc_eps, norm_eps, eps, *, config: dict | None = None,
+            mixes: bool = False):
+    """``(x, pre, post, comb)`` of ``mhc_pre`` (``sliced``: ``mhc_weights.bf16x3_slice_parts``); the stats
+    are the Triton finish kernel's on this kernel's partials. ``mixes``: also the pre-Sinkhorn mixes."""
+    _check("mhc_pre", h, sliced, weight)
+    x, ws, ss = partials(h, pre_prev, sliced, weight, eps, config=config)
+    return (x, *_finish(x, ws, ss, weight, scale, base, iters, hc_eps, norm_eps, eps, mixes))
+
+
+def mhc_boundary(y, res, post, comb, pre_prev, sliced, scale, base, weight, iters, hc_eps, norm_eps, eps, *,
+                 config: dict | None = None):
+    """``(new_res, x, pre, post, comb)`` of ``mhc_boundary`` in one persistent kernel (``boundary``: the post computed
+    from the stage's old residual and y, written to HBM once and over the stage for the projection), then the Triton
+    finish kernel; the bits of the Triton post kernel followed by ``mhc_pre``. Not a provider's default yet: written
+    without a GPU in the twenty-second session."""
+    _check("mhc_boundary", res, sliced, weight)
+    m, n, d = res.shape
+    for name, t, shape, dtype in (("y", y, (m, d), res.dtype), ("post", post, (m, n), torch.float32),
+                                  ("comb", comb, (m, n, n), torch.float32)):
+        if tuple(t.shape) != shape or t.dtype != dtype or t.device != res.device:
+            raise ValueError(f"TileLang mhc_boundary: {name} must be {dtype} {list(shape)} on {res.device}, got "
+                             f"{t.dtype} {list(t.shape)} on {t.device}")
+    cfg = dict(DEFAULT_CONFIG if config is None else config, boundary=True)
+    new, x, ws, ss = partials(res, pre_prev, sliced, weight, eps, config=cfg, post=(y, post, comb))
+    return (new, x, *_finish(x, ws, ss, weight, scale, base, iters, hc_eps, norm_eps, eps))

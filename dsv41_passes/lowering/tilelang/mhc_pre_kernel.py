@@ -1,6 +1,8 @@
 """The TileLang ``mhc_pre`` kernel (sm_90a): one persistent kernel, one read of the residual, the
 collapse + RMSNorm written to HBM once. It gives the Triton kernel's bits; the op runs it from
-``lowering.mhc.TILELANG_PRE_MIN_M`` tokens up (``mhc_pre.CONFIGS``, ``docs/performance.md``).
+``lowering.mhc.TILELANG_PRE_MIN_M`` tokens up (``mhc_pre.CONFIGS``, ``docs/performance.md``). Here: the options,
+the buffers and the roles' dispatch; the building blocks are ``mhc_pre_macros``, the consumer loops ``mhc_pre_roles``.
+With ``boundary`` the kernel also computes the post before it (``mhc_pre.mhc_boundary``).
 
 Why a second kernel beside the Triton one: that kernel reloads its K slice's weight parts from L2 for
 every 64-row block (1.5 times the bytes of the residual tile: L2 73% busy in run 33) and writes the
@@ -70,6 +72,7 @@ from types import SimpleNamespace
 
 from ..mhc_weights import NUM_SLICES, slice_geometry
 from .mhc_pre_macros import kernel_macros
+from .mhc_pre_roles import consumer_loops
 from .register_split import CONSUMER_REGS, PRODUCER_REGS, launch_regs, split_reason
 
 HC = 4
@@ -131,7 +134,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
           mid_resident: bool = True, producer: bool = False, rings: int = 1, split_roles: bool = False,
           vec_wgs: int = 1, x_hints: bool = False, norm_wg: bool = False, norm_warps: int = 2,
           norm_w_smem: bool = False, diag: str = "", norm_prepoll: bool = False, dots_defer: bool = False,
-          xss_by_row: bool = False):
+          xss_by_row: bool = False, boundary: bool = False):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
@@ -185,6 +188,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         raise ValueError(f"TileLang mhc_pre: diag {diag!r}: not among timers, nonorm, novec, nodots, noxstore")
     if dots_defer and not split_roles:
         raise ValueError("TileLang mhc_pre: dots_defer needs split roles")
+    if boundary and not (norm_wg and mid_resident) or boundary and "novec" in diag:
+        raise ValueError("TileLang mhc_pre: the boundary (post fused) needs the normalizing warps, the mid part "
+                         "resident and the vector role")
     if (norm_w_smem or norm_prepoll) and not norm_wg:
         raise ValueError("TileLang mhc_pre: norm_w_smem and norm_prepoll are for the normalizing warps (norm_wg)")
     nt = 32 * norm_warps  # the normalizing threads (``norm_wg``): the producer warpgroup's last ones
@@ -209,185 +215,27 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     m = T.dynamic("M")
     bf16, f32 = "bfloat16", "float32"
 
-    mc = kernel_macros(T, SimpleNamespace(
+    geo = SimpleNamespace(
         S=S, d=d, eps=eps, m=m, BM=BM, SENTINEL=SENTINEL, ds=ds, bk=bk, nc=nc, bm=bm, wgs=wgs, groups=groups,
         rings=rings, nrun=nrun, vals=vals, run_col=run_col, x_hints=x_hints, mid_resident=mid_resident, lead=lead,
         nt=nt, nring=nring, flags=flags, norm_w_smem=norm_w_smem, norm_prepoll=norm_prepoll, nmix=NMIX, stages=stages,
-        xss_by_row=xss_by_row))
-    pslot, row_rstd, store_x, norm_chunk, load_chunk = mc.pslot, mc.row_rstd, mc.store_x, mc.norm_chunk, mc.load_chunk
+        xss_by_row=xss_by_row, HC=HC, lag=lag, tpr=tpr, boundary=boundary, dots_defer=dots_defer, norm_wg=norm_wg,
+        producer=producer)
+    mc = kernel_macros(T, geo)
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
-    stream_dots, load_stream, issue, resident, normalize_blocks = (
-        mc.stream_dots, mc.load_stream, mc.issue, mc.resident, mc.normalize_blocks)
+    issue, resident, normalize_blocks = mc.issue, mc.resident, mc.normalize_blocks
 
     def ring_blocks(nloc, ring):
         """Row blocks of ``ring`` among the CTA's ``nloc`` (blocks ring, ring + rings, ...)."""
         return T.ceildiv(nloc - ring, rings) if rings > 1 else nloc
 
-    def consumer(ring, role="both"):
-        """The consumer loop of one ring (trace-time ``ring``): its warpgroup's row blocks j = local * rings + ring
-        of the CTA (``nloc`` of them), ``lt`` the thread's index in the warpgroup, ``fr`` its accumulators, ``b``
-        the kernel's buffers and indices; ``role``: "both", or with split roles "mma" (the dots, the hi sums and the
-        mix partials) or "vec" (the rest)."""
-        if role == "mma" and dots_defer and "nodots" not in flags:
-            return mc.dots_deferred
-        mma = role != "vec"
-        vec = role != "mma"
-        lagged = vec and not norm_wg  # the vector role normalizes ``lag`` blocks behind
-        base = ring * stages if rings > 1 else 0  # the ring's first stage
-        back = groups * rings  # row blocks of the CTA's sequence between two of this ring's
-
-        @T.macro
-        def consume(nloc, fr, lt, b):
-            acc_hi, acc_mid, acc_lo, sh0, sh1, sh2, sh3 = fr
-            h, wlo, wmid, x, ws, ss, xss, pre_prev, w_s, s, g = b.io
-            a0, a1, a2, a3, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, md0, md1, md2, md3, mds = b.smem
-            full = b.full
-            sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red, prn = b.regs
-            r = lt // tpr  # (the dots' role uses neither)
-            hf = lt % tpr
-            timers_start(b.tm)
-            if vec:  # the first row block's pre weights (``prn``: the next block's, loaded a block ahead)
-                row0 = (g + (ring if rings > 1 else 0) * groups) * bm + r
-                for k in T.unroll(HC):
-                    prn[k] = T.if_then_else(row0 < m, pre_prev[row0, k], 0.0)
-            for t in T.serial(nloc * nc):
-                st = base + t % stages
-                j = t // nc
-                c = t % nc
-                rb = g + (j * rings + ring if rings > 1 else j) * groups
-                col = s * ds + c * bk
-                row = rb * bm + r
-                # the row block ``lag`` back: its rsqrt at chunk 0, one chunk normalized a step
-                nrow = (rb - lag * back) * bm + r
-                ncol = col
-                if lagged and j >= lag:
-                    if c == 0:
-                        row_rstd(xss, rb - lag * back, r, pv, red)
-                    load_chunk(x, nrow, ncol, hf, xn)
-                if vec and norm_wg and c == 0 and j >= nring:  # the normalizing warps are done with block j - nring
-                    timed_wait(b.xfree, j % nring, (j // nring + 1) % 2, b.tm, b.tc, 1)
-                if c == 0:
-                    if mma:
-                        T.clear(acc_hi)
-                        T.clear(acc_mid)
-                        T.clear(acc_lo)
-                    if vec:
-                        for v in T.unroll(vals):
-                            sq[v] = 0.0
-                            xq[v] = 0.0
-                        # this block's pre weights were loaded a block ahead (loaded here, their latency stalled
-                        # the step: 6% of the op at M = 16384, run 114); load the next block's
-                        for k in T.unroll(HC):
-                            pr[k] = prn[k]
-                        for k in T.unroll(HC):
-                            prn[k] = T.if_then_else(row + back * bm < m, pre_prev[row + back * bm, k], 0.0)
-                timed_wait(full, st, (t // stages) % 2, b.tm, b.tc, 0)
-                # 12 async wgmma groups: hi from zero per stream, mid and lo chained over the slice
-                if mma and "nodots" not in flags:
-                    stream_dots(a0, hi0, md0, mds, 0, lo0, sh0, acc_mid, acc_lo, st, c)
-                    stream_dots(a1, hi1, md1, mds, 1, lo1, sh1, acc_mid, acc_lo, st, c)
-                    stream_dots(a2, hi2, md2, mds, 2, lo2, sh2, acc_mid, acc_lo, st, c)
-                    stream_dots(a3, hi3, md3, mds, 3, lo3, sh3, acc_mid, acc_lo, st, c)
-                # meanwhile: sums of squares and the collapse from the same shared tiles
-                if vec and "novec" not in flags:
-                    load_stream(a0, hv0, st, r, hf)
-                    load_stream(a1, hv1, st, r, hf)
-                    load_stream(a2, hv2, st, r, hf)
-                    load_stream(a3, hv3, st, r, hf)
-                    for v in T.unroll(vals):
-                        sq[v] = T.ieee_fmaf(hv0[v], hv0[v], sq[v])
-                        sq[v] = T.ieee_fmaf(hv1[v], hv1[v], sq[v])
-                        sq[v] = T.ieee_fmaf(hv2[v], hv2[v], sq[v])
-                        sq[v] = T.ieee_fmaf(hv3[v], hv3[v], sq[v])
-                        xo[v] = T.cast(
-                            T.ieee_add(
-                                T.ieee_add(
-                                    T.ieee_add(T.ieee_mul(pr[0], hv0[v]), T.ieee_mul(pr[1], hv1[v])),
-                                    T.ieee_mul(pr[2], hv2[v]),
-                                ),
-                                T.ieee_mul(pr[3], hv3[v]),
-                            ),
-                            bf16,
-                        )
-                        xq[v] = T.ieee_fmaf(T.cast(xo[v], f32), T.cast(xo[v], f32), xq[v])
-                    if "noxstore" not in flags:
-                        store_x(x, row, col, hf, xo, "last")
-                if mma and "nodots" not in flags:
-                    T.wait_wgmma(0)
-                    for i, n in T.Parallel(bm, NMIX):
-                        acc_hi[i, n] = T.ieee_add(
-                            T.ieee_add(T.ieee_add(T.ieee_add(acc_hi[i, n], sh0[i, n]), sh1[i, n]), sh2[i, n]), sh3[i, n]
-                        )
-                # stage st is free once every thread is past its reads (the wgmma reads ended at the wait)
-                if producer:
-                    T.mbarrier_arrive(b.empty[st])
-                else:
-                    T.sync_threads()
-                    if t + stages < nloc * nc:
-                        issue(h, wlo, wmid, t + stages, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds,
-                              full)
-                if lagged and j >= lag:
-                    norm_chunk(x, w_s, nrow, ncol, c * bk, hf, xn, wv, red)
-                if mma and c == nc - 1:
-                    mc.publish(ws, rb, s, fr)  # this slice's partials (Triton finish layout)
-                if vec and c == nc - 1:
-                    # xss last: the normalization of this row block (one CTA each slice) waits for it
-                    # pairwise tree over the 32 chunk positions: within each run of 8 here (levels 1-3),
-                    # then (run0 + partner's run0) + (run1 + partner's run1) (levels 4-5)
-                    for lvl in T.unroll(3):
-                        for u in T.unroll(nrun):
-                            for v in T.unroll(4):
-                                if v < (4 >> lvl):
-                                    sq[u * 8 + v] = T.ieee_add(sq[u * 8 + 2 * v], sq[u * 8 + 2 * v + 1])
-                                    xq[u * 8 + v] = T.ieee_add(xq[u * 8 + 2 * v], xq[u * 8 + 2 * v + 1])
-                    if nrun == 2:
-                        red[0] = T.shfl_xor(sq[0], 1)
-                        red[1] = T.shfl_xor(sq[8], 1)
-                        sq[0] = T.ieee_add(T.ieee_add(sq[0], red[0]), T.ieee_add(sq[8], red[1]))
-                        red[0] = T.shfl_xor(xq[0], 1)
-                        red[1] = T.shfl_xor(xq[8], 1)
-                        xq[0] = T.ieee_add(T.ieee_add(xq[0], red[0]), T.ieee_add(xq[8], red[1]))
-                    else:  # runs 8p: (run 0 + run 8) + (run 16 + run 24), lanes 4r + p
-                        red[0] = T.shfl_xor(sq[0], 1)
-                        red[1] = T.shfl_xor(xq[0], 1)
-                        sq[0] = T.ieee_add(sq[0], red[0])
-                        xq[0] = T.ieee_add(xq[0], red[1])
-                        red[0] = T.shfl_xor(sq[0], 2)
-                        red[1] = T.shfl_xor(xq[0], 2)
-                        sq[0] = T.ieee_add(sq[0], red[0])
-                        xq[0] = T.ieee_add(xq[0], red[1])
-                    if hf == 0:
-                        ss[pslot(rb, r, s)] = sq[0]
-                        T.atomic_store(xss[mc.xslot(rb, r, s)], xq[0], memory_order="relaxed")
-                    if norm_wg:  # after this thread's x stores of the block (release: the warps read them next)
-                        T.mbarrier_arrive(b.xdone[j % nring])
-            # the last ``lag`` row blocks of this CTA: normalized after the loop
-            for jj in T.serial(lag if lagged else 0):
-                if nloc - lag + jj >= 0:
-                    rbn = g + ((nloc - lag + jj) * rings + ring if rings > 1 else nloc - lag + jj) * groups
-                    row_rstd(xss, rbn, r, pv, red)
-                    for c2 in T.serial(nc):
-                        load_chunk(x, rbn * bm + r, s * ds + c2 * bk, hf, xn)
-                        norm_chunk(x, w_s, rbn * bm + r, s * ds + c2 * bk, c2 * bk, hf, xn, wv, red)
-            timers_write(xss, g, s, 6 if mma else 9, lt, b.tm)  # (wait on full, wait on xfree, total)
-
-        return consume
+    consumer = consumer_loops(T, geo, mc)
 
     prelude = (X_HINTS_SOURCE if x_hints else "") + (LD4_RELAXED_SOURCE if xss_by_row else "") or None
 
-    @T.prim_func
-    def pre(
-        h: T.Tensor((m, k_total), bf16),
-        whi: T.Tensor((S, HC, NMIX, ds), bf16),
-        wmid: T.Tensor((S, HC, NMIX, ds), bf16),
-        wlo: T.Tensor((S, HC, NMIX, ds), bf16),
-        pre_prev: T.Tensor((m, HC), f32),
-        nw: T.Tensor((d,), f32),
-        x: T.Tensor((m, d), bf16),
-        ws: T.Tensor((T.ceildiv(m, bm) * wgs * S * BM, NMIX), f32),
-        ss: T.Tensor((T.ceildiv(m, bm) * wgs * S * BM,), f32),
-        xss: T.Tensor((T.ceildiv(m, bm) * wgs * S * BM,), f32),
-    ):
+    @T.macro
+    def body(h, whi, wmid, wlo, pre_prev, nw, x, ws, ss, xss, io_post):
+        """The kernel; ``io_post``: ``mhc_boundary``'s extra tensors (y, post, comb, new_res) or None."""
         with T.Kernel(groups * S, threads=threads, prelude=prelude) as cta:
             s = cta % S
             g = cta // S
@@ -423,6 +271,11 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                 xfree = T.alloc_barrier([nt] * nring)
                 xr = T.alloc_local((nc * 8,), bf16)
                 wr = T.alloc_local((8,), f32)
+            if boundary:  # y's chunk a stage; the new residual written over a stage (the dots wait for it)
+                ys = T.alloc_shared((stages, bm, bk), bf16)
+                ready = T.alloc_barrier([128 * vec_wgs] * stages)
+                post_regs = (T.alloc_local((vals,), f32), T.alloc_local((HC * vals,), bf16),
+                             T.alloc_local((HC,), f32), T.alloc_local((HC * HC,), f32))
             # a ring's accumulators (each consumer warpgroup its own with two rings)
             frags = []
             for _ring in [0, 1][:rings]:
@@ -463,7 +316,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                             st = base + q % stages
                             if q >= stages:  # use n of a stage waits for the release of use n - 1
                                 timed_wait(empty, st, ((q // stages) + 1) % 2, tm, tc, 0)
-                            issue(h, wlo, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds, full, ring)
+                            issue(h, wlo, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds, full, ring,
+                                  io_post[0] if boundary else None, ys if boundary else None)
                         timers_write(xss, g, s, 0, tx, tm)  # (wait on empty, -, total)
                     if norm_wg and tx >= 128 - nt:
                         normalize_blocks(x, nw, w_s, xss, s, g, nloc, tx - (128 - nt), xdone, xfree, xr, wr, pv,
@@ -487,7 +341,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                     smem=(a0, a1, a2, a3, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, md0, md1, md2, md3, mds),
                     full=full, empty=empty if producer else None,
                     xdone=xdone if norm_wg else None, xfree=xfree if norm_wg else None,
-                    regs=(sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red, prn), tm=tm, tc=tc)
+                    regs=(sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red, prn), tm=tm, tc=tc,
+                    ready=ready if boundary else None, ys=ys if boundary else None, post=io_post,
+                    post_regs=post_regs if boundary else None)
                 if split_roles:  # warpgroup 1 issues the dots, warpgroup 2 (and 3) does the rest
                     if tx < 256:
                         consumer(0, "mma")(nloc, frags[0], tx - 128, b)
@@ -500,6 +356,42 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                         consumer(0)(ring_blocks(nloc, 0), frags[0], tx - 128, b)
                     if tx >= 256:
                         consumer(1)(ring_blocks(nloc, 1), frags[1], tx - 256, b)
+
+    rows = T.ceildiv(m, bm) * wgs * S * BM  # of the partial buffers
+    if boundary:
+        @T.prim_func
+        def pre(
+            h: T.Tensor((m, k_total), bf16),
+            whi: T.Tensor((S, HC, NMIX, ds), bf16),
+            wmid: T.Tensor((S, HC, NMIX, ds), bf16),
+            wlo: T.Tensor((S, HC, NMIX, ds), bf16),
+            pre_prev: T.Tensor((m, HC), f32),
+            nw: T.Tensor((d,), f32),
+            x: T.Tensor((m, d), bf16),
+            ws: T.Tensor((rows, NMIX), f32),
+            ss: T.Tensor((rows,), f32),
+            xss: T.Tensor((rows,), f32),
+            y: T.Tensor((m, d), bf16),
+            post_in: T.Tensor((m, HC), f32),
+            comb_in: T.Tensor((m, HC * HC), f32),
+            new_res: T.Tensor((m, k_total), bf16),
+        ):
+            body(h, whi, wmid, wlo, pre_prev, nw, x, ws, ss, xss, (y, post_in, comb_in, new_res))
+    else:
+        @T.prim_func
+        def pre(
+            h: T.Tensor((m, k_total), bf16),
+            whi: T.Tensor((S, HC, NMIX, ds), bf16),
+            wmid: T.Tensor((S, HC, NMIX, ds), bf16),
+            wlo: T.Tensor((S, HC, NMIX, ds), bf16),
+            pre_prev: T.Tensor((m, HC), f32),
+            nw: T.Tensor((d,), f32),
+            x: T.Tensor((m, d), bf16),
+            ws: T.Tensor((rows, NMIX), f32),
+            ss: T.Tensor((rows,), f32),
+            xss: T.Tensor((rows,), f32),
+        ):
+            body(h, whi, wmid, wlo, pre_prev, nw, x, ws, ss, xss, None)
     return pre
 
 

@@ -185,6 +185,8 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                 t = j * nc + c
                 st = t % stages
                 timed_wait(b.full, st, (t // stages) % 2, b.tm, b.tc, 0)
+                if b.ready is not None:  # ``boundary``: the vector role has written the new residual over the stage
+                    T.mbarrier_wait_parity(b.ready[st], (t // stages) % 2)
                 hi_dot(a0, hi0, sh0, st, c)
                 hi_dot(a1, hi1, sh1, st, c)
                 hi_dot(a2, hi2, sh2, st, c)
@@ -212,7 +214,57 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                 hv[u * 8 + e] = T.cast(a[st, r, run_col(hf, u) + e], f32)
 
     @T.macro
-    def issue(h, wlo, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds, full, ring=0):
+    def post_weights(b, row):
+        """``boundary``: the post and comb weights of this thread's row, before the step's stage wait (L1 hits after
+        a row block's first step; padding rows read the last row and are never stored)."""
+        y, post_in, comb_in, new_res = b.post
+        yv, nb, pk, cm = b.post_regs
+        rc = T.min(row, m - 1)
+        for e in T.vectorized(4):
+            pk[e] = post_in[rc, e]
+        for e in T.vectorized(16):
+            cm[e] = comb_in[rc, e]
+
+    @T.macro
+    def post_chunk(b, st, r, hf, row, col, hv0, hv1, hv2, hv3):
+        """``boundary``: this thread's values of the step's chunk of the new residual, ``post * y + comb^T res``
+        with the Triton post kernel's roundings (``mhc_common._combine``: each product and sum rounded, streams in
+        order, the result rounded to bf16 once), from the old residual in hv0..hv3 and y from the stage; written over
+        the old values in the stage (the dots read them next) and to ``new_res``; then hv0..hv3 <- the new values
+        (``post_weights`` loaded the row's post and comb)."""
+        y, post_in, comb_in, new_res = b.post
+        yv, nb, pk, cm = b.post_regs
+        for u in T.unroll(nrun):
+            for e in T.vectorized(8):
+                yv[u * 8 + e] = T.cast(b.ys[st, r, run_col(hf, u) + e], f32)
+        for k in T.unroll(4):
+            for v in T.unroll(vals):
+                nb[k * vals + v] = T.cast(T.ieee_add(T.ieee_mul(pk[k], yv[v]), T.ieee_add(T.ieee_add(T.ieee_add(
+                    T.ieee_mul(cm[k], hv0[v]), T.ieee_mul(cm[4 + k], hv1[v])), T.ieee_mul(cm[8 + k], hv2[v])),
+                    T.ieee_mul(cm[12 + k], hv3[v]))), bf16)
+        a0, a1, a2, a3 = b.smem[0], b.smem[1], b.smem[2], b.smem[3]
+        for u in T.unroll(nrun):
+            for e in T.vectorized(8):
+                a0[st, r, run_col(hf, u) + e] = nb[0 * vals + u * 8 + e]
+            for e in T.vectorized(8):
+                a1[st, r, run_col(hf, u) + e] = nb[1 * vals + u * 8 + e]
+            for e in T.vectorized(8):
+                a2[st, r, run_col(hf, u) + e] = nb[2 * vals + u * 8 + e]
+            for e in T.vectorized(8):
+                a3[st, r, run_col(hf, u) + e] = nb[3 * vals + u * 8 + e]
+        if row < m:
+            for k in T.unroll(4):
+                for u in T.unroll(nrun):
+                    for e in T.vectorized(8):
+                        new_res[row, k * d + col + run_col(hf, u) + e] = nb[k * vals + u * 8 + e]
+        for v in T.unroll(vals):
+            hv0[v] = T.cast(nb[0 * vals + v], f32)
+            hv1[v] = T.cast(nb[1 * vals + v], f32)
+            hv2[v] = T.cast(nb[2 * vals + v], f32)
+            hv3[v] = T.cast(nb[3 * vals + v], f32)
+
+    @T.macro
+    def issue(h, wlo, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds, full, ring=0, y=None, ys=None):
         """TMA of step q of ``ring`` (row block g + j * groups with j = (q // nc) * rings + ring, chunk q % nc)
         into stage st; every thread arrives (the elected leader first adds the expected bytes). The residual is
         read once: evict it first, so the un-normalized collapse stays in L2 until its normalization."""
@@ -233,6 +285,9 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
         T.tma_copy(wlo[s, 3, :, cq * bk:(cq + 1) * bk], lo3[st, :, :], barrier=full[st], leader_scope_threads=lead)
         if not mid_resident:
             T.tma_copy(wmid[s, :, :, cq * bk:(cq + 1) * bk], mds[st, :, :, :], barrier=full[st],
+                       leader_scope_threads=lead)
+        if ys is not None:  # ``boundary``: the sub-block's output y of the chunk, for the post
+            T.tma_copy(y[rq:rq + bm, colq:colq + bk], ys[st, :, :], barrier=full[st], eviction_policy="evict_first",
                        leader_scope_threads=lead)
         T.mbarrier_arrive(full[st])
 
@@ -306,4 +361,5 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                            norm_chunk=norm_chunk, load_chunk=load_chunk, stream_dots=stream_dots,
                            load_stream=load_stream, issue=issue, resident=resident, normalize_blocks=normalize_blocks,
                            timed_wait=timed_wait, publish=publish, dots_deferred=dots_deferred,
+                           post_weights=post_weights, post_chunk=post_chunk,
                            timers_start=timers_start, timers_write=timers_write)

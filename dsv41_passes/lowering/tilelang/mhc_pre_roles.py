@@ -1,0 +1,181 @@
+"""The consumer loops of the TileLang ``mhc_pre`` kernel (``mhc_pre_kernel.build``): a ring's loop over its row blocks'
+steps, for both roles or, with split roles, for the dots (the wgmmas, the hi sums, the mix partials; with
+``dots_defer`` the loop of ``mhc_pre_macros.dots_deferred``) or the vector work (the sums of squares, the collapse, the
+x stores, the post of ``boundary``, the norm partials, and the lagged norm without the normalizing warps). Moved out
+of ``build`` unchanged: the CUDA source of every config is the same as before (md5 of ``get_kernel_source()``)."""
+
+# No ``from __future__ import annotations``: TileLang evaluates the macros' annotations.
+
+from types import SimpleNamespace
+
+
+def consumer_loops(T, g: SimpleNamespace, mc: SimpleNamespace):
+    """``consumer(ring, role)`` of one kernel: ``T`` is ``tilelang.language``, ``g`` the geometry and options
+    ``build`` computed, ``mc`` its macros (``mhc_pre_macros.kernel_macros``)."""
+    HC, NMIX, bk, bm, ds, groups, lag, m, nc, nring, nrun, rings, stages, tpr, vals = (
+        g.HC, g.nmix, g.bk, g.bm, g.ds, g.groups, g.lag, g.m, g.nc, g.nring, g.nrun, g.rings, g.stages, g.tpr, g.vals)
+    boundary, dots_defer, flags, norm_wg, producer = g.boundary, g.dots_defer, g.flags, g.norm_wg, g.producer
+    bf16, f32 = "bfloat16", "float32"
+    pslot, row_rstd, store_x, norm_chunk, load_chunk = mc.pslot, mc.row_rstd, mc.store_x, mc.norm_chunk, mc.load_chunk
+    timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
+    stream_dots, load_stream, issue = mc.stream_dots, mc.load_stream, mc.issue
+
+    def consumer(ring, role="both"):
+        """The consumer loop of one ring (trace-time ``ring``): its warpgroup's row blocks j = local * rings + ring
+        of the CTA (``nloc`` of them), ``lt`` the thread's index in the warpgroup, ``fr`` its accumulators, ``b``
+        the kernel's buffers and indices; ``role``: "both", or with split roles "mma" (the dots, the hi sums and the
+        mix partials) or "vec" (the rest)."""
+        if role == "mma" and dots_defer and "nodots" not in flags:
+            return mc.dots_deferred
+        mma = role != "vec"
+        vec = role != "mma"
+        lagged = vec and not norm_wg  # the vector role normalizes ``lag`` blocks behind
+        base = ring * stages if rings > 1 else 0  # the ring's first stage
+        back = groups * rings  # row blocks of the CTA's sequence between two of this ring's
+
+        @T.macro
+        def consume(nloc, fr, lt, b):
+            acc_hi, acc_mid, acc_lo, sh0, sh1, sh2, sh3 = fr
+            h, wlo, wmid, x, ws, ss, xss, pre_prev, w_s, s, g = b.io
+            a0, a1, a2, a3, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, md0, md1, md2, md3, mds = b.smem
+            full = b.full
+            sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red, prn = b.regs
+            r = lt // tpr  # (the dots' role uses neither)
+            hf = lt % tpr
+            timers_start(b.tm)
+            if vec:  # the first row block's pre weights (``prn``: the next block's, loaded a block ahead)
+                row0 = (g + (ring if rings > 1 else 0) * groups) * bm + r
+                for k in T.unroll(HC):
+                    prn[k] = T.if_then_else(row0 < m, pre_prev[row0, k], 0.0)
+            for t in T.serial(nloc * nc):
+                st = base + t % stages
+                j = t // nc
+                c = t % nc
+                rb = g + (j * rings + ring if rings > 1 else j) * groups
+                col = s * ds + c * bk
+                row = rb * bm + r
+                # the row block ``lag`` back: its rsqrt at chunk 0, one chunk normalized a step
+                nrow = (rb - lag * back) * bm + r
+                ncol = col
+                if lagged and j >= lag:
+                    if c == 0:
+                        row_rstd(xss, rb - lag * back, r, pv, red)
+                    load_chunk(x, nrow, ncol, hf, xn)
+                if vec and norm_wg and c == 0 and j >= nring:  # the normalizing warps are done with block j - nring
+                    timed_wait(b.xfree, j % nring, (j // nring + 1) % 2, b.tm, b.tc, 1)
+                if c == 0:
+                    if mma:
+                        T.clear(acc_hi)
+                        T.clear(acc_mid)
+                        T.clear(acc_lo)
+                    if vec:
+                        for v in T.unroll(vals):
+                            sq[v] = 0.0
+                            xq[v] = 0.0
+                        # this block's pre weights were loaded a block ahead (loaded here, their latency stalled
+                        # the step: 6% of the op at M = 16384, run 114); load the next block's
+                        for k in T.unroll(HC):
+                            pr[k] = prn[k]
+                        for k in T.unroll(HC):
+                            prn[k] = T.if_then_else(row + back * bm < m, pre_prev[row + back * bm, k], 0.0)
+                if vec and boundary:
+                    mc.post_weights(b, row)
+                timed_wait(full, st, (t // stages) % 2, b.tm, b.tc, 0)
+                if mma and boundary:  # the vector role has written the new residual over the stage
+                    T.mbarrier_wait_parity(b.ready[st], (t // stages) % 2)
+                # 12 async wgmma groups: hi from zero per stream, mid and lo chained over the slice
+                if mma and "nodots" not in flags:
+                    stream_dots(a0, hi0, md0, mds, 0, lo0, sh0, acc_mid, acc_lo, st, c)
+                    stream_dots(a1, hi1, md1, mds, 1, lo1, sh1, acc_mid, acc_lo, st, c)
+                    stream_dots(a2, hi2, md2, mds, 2, lo2, sh2, acc_mid, acc_lo, st, c)
+                    stream_dots(a3, hi3, md3, mds, 3, lo3, sh3, acc_mid, acc_lo, st, c)
+                # meanwhile: sums of squares and the collapse from the same shared tiles
+                if vec and "novec" not in flags:
+                    load_stream(a0, hv0, st, r, hf)
+                    load_stream(a1, hv1, st, r, hf)
+                    load_stream(a2, hv2, st, r, hf)
+                    load_stream(a3, hv3, st, r, hf)
+                    if boundary:  # the post: the new residual over the stage and to HBM, then the dots may read it
+                        mc.post_chunk(b, st, r, hf, row, col, hv0, hv1, hv2, hv3)
+                        T.fence_proxy_async()
+                        T.mbarrier_arrive(b.ready[st])
+                    for v in T.unroll(vals):
+                        sq[v] = T.ieee_fmaf(hv0[v], hv0[v], sq[v])
+                        sq[v] = T.ieee_fmaf(hv1[v], hv1[v], sq[v])
+                        sq[v] = T.ieee_fmaf(hv2[v], hv2[v], sq[v])
+                        sq[v] = T.ieee_fmaf(hv3[v], hv3[v], sq[v])
+                        xo[v] = T.cast(
+                            T.ieee_add(
+                                T.ieee_add(
+                                    T.ieee_add(T.ieee_mul(pr[0], hv0[v]), T.ieee_mul(pr[1], hv1[v])),
+                                    T.ieee_mul(pr[2], hv2[v]),
+                                ),
+                                T.ieee_mul(pr[3], hv3[v]),
+                            ),
+                            bf16,
+                        )
+                        xq[v] = T.ieee_fmaf(T.cast(xo[v], f32), T.cast(xo[v], f32), xq[v])
+                    if "noxstore" not in flags:
+                        store_x(x, row, col, hf, xo, "last")
+                if mma and "nodots" not in flags:
+                    T.wait_wgmma(0)
+                    for i, n in T.Parallel(bm, NMIX):
+                        acc_hi[i, n] = T.ieee_add(
+                            T.ieee_add(T.ieee_add(T.ieee_add(acc_hi[i, n], sh0[i, n]), sh1[i, n]), sh2[i, n]), sh3[i, n]
+                        )
+                # stage st is free once every thread is past its reads (the wgmma reads ended at the wait)
+                if producer:
+                    T.mbarrier_arrive(b.empty[st])
+                else:
+                    T.sync_threads()
+                    if t + stages < nloc * nc:
+                        issue(h, wlo, wmid, t + stages, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds,
+                              full)
+                if lagged and j >= lag:
+                    norm_chunk(x, w_s, nrow, ncol, c * bk, hf, xn, wv, red)
+                if mma and c == nc - 1:
+                    mc.publish(ws, rb, s, fr)  # this slice's partials (Triton finish layout)
+                if vec and c == nc - 1:
+                    # xss last: the normalization of this row block (one CTA each slice) waits for it
+                    # pairwise tree over the 32 chunk positions: within each run of 8 here (levels 1-3),
+                    # then (run0 + partner's run0) + (run1 + partner's run1) (levels 4-5)
+                    for lvl in T.unroll(3):
+                        for u in T.unroll(nrun):
+                            for v in T.unroll(4):
+                                if v < (4 >> lvl):
+                                    sq[u * 8 + v] = T.ieee_add(sq[u * 8 + 2 * v], sq[u * 8 + 2 * v + 1])
+                                    xq[u * 8 + v] = T.ieee_add(xq[u * 8 + 2 * v], xq[u * 8 + 2 * v + 1])
+                    if nrun == 2:
+                        red[0] = T.shfl_xor(sq[0], 1)
+                        red[1] = T.shfl_xor(sq[8], 1)
+                        sq[0] = T.ieee_add(T.ieee_add(sq[0], red[0]), T.ieee_add(sq[8], red[1]))
+                        red[0] = T.shfl_xor(xq[0], 1)
+                        red[1] = T.shfl_xor(xq[8], 1)
+                        xq[0] = T.ieee_add(T.ieee_add(xq[0], red[0]), T.ieee_add(xq[8], red[1]))
+                    else:  # runs 8p: (run 0 + run 8) + (run 16 + run 24), lanes 4r + p
+                        red[0] = T.shfl_xor(sq[0], 1)
+                        red[1] = T.shfl_xor(xq[0], 1)
+                        sq[0] = T.ieee_add(sq[0], red[0])
+                        xq[0] = T.ieee_add(xq[0], red[1])
+                        red[0] = T.shfl_xor(sq[0], 2)
+                        red[1] = T.shfl_xor(xq[0], 2)
+                        sq[0] = T.ieee_add(sq[0], red[0])
+                        xq[0] = T.ieee_add(xq[0], red[1])
+                    if hf == 0:
+                        ss[pslot(rb, r, s)] = sq[0]
+                        T.atomic_store(xss[mc.xslot(rb, r, s)], xq[0], memory_order="relaxed")
+                    if norm_wg:  # after this thread's x stores of the block (release: the warps read them next)
+                        T.mbarrier_arrive(b.xdone[j % nring])
+            # the last ``lag`` row blocks of this CTA: normalized after the loop
+            for jj in T.serial(lag if lagged else 0):
+                if nloc - lag + jj >= 0:
+                    rbn = g + ((nloc - lag + jj) * rings + ring if rings > 1 else nloc - lag + jj) * groups
+                    row_rstd(xss, rbn, r, pv, red)
+                    for c2 in T.serial(nc):
+                        load_chunk(x, rbn * bm + r, s * ds + c2 * bk, hf, xn)
+                        norm_chunk(x, w_s, rbn * bm + r, s * ds + c2 * bk, c2 * bk, hf, xn, wv, red)
+            timers_write(xss, g, s, 6 if mma else 9, lt, b.tm)  # (wait on full, wait on xfree, total)
+
+        return consume
+
+    return consumer
