@@ -41,6 +41,7 @@ def variants(m: int) -> dict[str, dict]:
         out["tilelang post_pre"] = dict(tilelang="post_pre", name=None)
         for name in names:
             out[f"tilelang fused {name or 'default'}"] = dict(tilelang="fused", name=name)
+        out["tilelang fused default, TMA stores"] = dict(tilelang="fused", name=None, post_tma_store=True)
     return out
 
 
@@ -53,7 +54,9 @@ def run_tilelang(t: dict, c: dict):
     if "sliced" not in t:
         t["sliced"] = slice_major(t["parts"], D, 24)
     args = (t["sliced"], t["scale"], t["base"], t["w"], ITERS, EPS, EPS, EPS)
-    cfg = None if c["name"] is None else tlp.CONFIGS[c["name"]]
+    cfg = dict(tlp.DEFAULT_CONFIG if c["name"] is None else tlp.CONFIGS[c["name"]])
+    if c.get("post_tma_store"):
+        cfg["post_tma_store"] = True
     if c["tilelang"] == "fused":
         return tlp.mhc_boundary(t["y"], t["h"], t["post"], t["comb"], t["pre_prev"], *args, config=cfg)
     new = tk.mhc_post(t["y"], t["h"], t["post"], t["comb"], batch_invariant=False)

@@ -138,19 +138,21 @@ def test_build_options_are_checked():
         tlp.build(FLASH_D, 8, EPS, **dict(tlp.CONFIGS["wg1-producer"], dots_defer=True))
 
 
-@pytest.mark.parametrize("name", [None, "wg1-split-v2-normwg3-ws-dd"])  # the default; the deferred dots' own loop
-def test_boundary_build(name, tmp_path, monkeypatch):
+@pytest.mark.parametrize("opts", [{}, {"dots_defer": True}, {"post_tma_store": True}])  # on the default config
+def test_boundary_build(opts, tmp_path, monkeypatch):
     """``mhc_boundary`` in the persistent kernel (``boundary``): y's chunk comes by TMA with the stage; the vector role
     computes the post with the Triton post kernel's roundings, writes the new residual over the stage and to HBM,
     fences the async proxy and arrives on the stage's ``ready`` barrier, which the dots wait on after ``full``; no
-    spills, the wgmmas asynchronous, the shared memory within the 227 KiB of a block."""
+    spills, the wgmmas asynchronous, the shared memory within the 227 KiB of a block. ``post_tma_store``: a vector
+    warp stores the new residual from the stage by TMA once ``ready`` completes, and waits for the stores' reads
+    before its warp releases the stage."""
     pytest.importorskip("tilelang")
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not installed: TileLang cannot build the sm_90a cubin")
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
     from dsv41_passes.lowering.tilelang import mhc_pre as tlp
 
-    cfg = dict(tlp.DEFAULT_CONFIG if name is None else tlp.CONFIGS[name], boundary=True)
+    cfg = dict(tlp.DEFAULT_CONFIG, boundary=True, **opts)
     k = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, **cfg), True)
     src = k.get_kernel_source()
     assert "tma_load<tl::CacheHintSm90::EVICT_FIRST>(y_desc, full[" in src
@@ -161,8 +163,15 @@ def test_boundary_build(name, tmp_path, monkeypatch):
     post = vector[vector.index("post_in + "):vector.index("].arrive();")]
     # _combine's order: ((c0 r0 + c1 r1) + c2 r2) + c3 r3, then post y + that, each rounded; one bf16 rounding
     assert "(bfloat16_t)__fadd_rn(__fmul_rn(pk[" in post and "__fadd_rn(__fadd_rn(__fadd_rn(__fmul_rn(cm[" in post
-    assert all(f"*(uint4*)(((bfloat16_t*)a{i})" in post for i in range(4)) and "*(uint4*)(new_res + " in post
-    assert post.index("*(uint4*)(new_res + ") < post.index("tl::fence_proxy_async();")
+    assert all(f"*(uint4*)(((bfloat16_t*)a{i})" in post for i in range(4))
+    if opts.get("post_tma_store"):  # from the stage, after every vector thread's writes; read before the release
+        assert "new_res + " not in vector and vector.count("tl::tma_store(new_res_desc") == 4
+        tail = vector[vector.index("tl::fence_proxy_async();"):]
+        assert tail.index("].arrive();") < tail.index("].wait(") < tail.index("tl::tma_store(new_res_desc")
+        assert tail.index("tl::tma_store_wait<0, true>();") < tail.index("empty[")
+    else:
+        assert "*(uint4*)(new_res + " in post
+        assert post.index("*(uint4*)(new_res + ") < post.index("tl::fence_proxy_async();")
     assert re.search(r"tl::fence_proxy_async\(\);\s*ready\[\(t(_\d)? & 3\)\]\.arrive\(\);", vector)
     offsets = [int(v) for v in re.findall(r"buf_dyn_shmem \+ (\d+)\)", src)]
     assert max(offsets) + 320 * 4 <= 227 * 1024 - 1024  # w_s last, and 1 KiB of static shared memory
@@ -196,6 +205,8 @@ def test_boundary_inputs_are_checked():
         tlp.mhc_boundary(y, h, post, comb[:, :2], pp, sliced, *args)
     with pytest.raises(ValueError, match="boundary .post fused. needs the normalizing warps"):
         tlp.build(FLASH_D, 8, EPS, **dict(tlp.CONFIGS["wg1-split-v2"], boundary=True))
+    with pytest.raises(ValueError, match="post_tma_store is for the boundary"):
+        tlp.build(FLASH_D, 8, EPS, **dict(tlp.DEFAULT_CONFIG, post_tma_store=True))
 
 
 @pytest.mark.parametrize("name", [None, "wg1-split-v2-normwg3-ws-dd"])  # the default; the deferred dots' own loop

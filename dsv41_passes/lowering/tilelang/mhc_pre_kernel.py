@@ -2,7 +2,8 @@
 collapse + RMSNorm written to HBM once. It gives the Triton kernel's bits; the op runs it from
 ``lowering.mhc.TILELANG_PRE_MIN_M`` tokens up (``mhc_pre.CONFIGS``, ``docs/performance.md``). Here: the options,
 the buffers and the roles' dispatch; the building blocks are ``mhc_pre_macros``, the consumer loops ``mhc_pre_roles``.
-With ``boundary`` the kernel also computes the post before it (``mhc_pre.mhc_boundary``).
+With ``boundary`` the kernel also computes the post before it (``mhc_pre.mhc_boundary``; ``post_tma_store``: the new
+residual leaves the stage by TMA).
 
 Why a second kernel beside the Triton one: that kernel reloads its K slice's weight parts from L2 for
 every 64-row block (1.5 times the bytes of the residual tile: L2 73% busy in run 33) and writes the
@@ -134,7 +135,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
           mid_resident: bool = True, producer: bool = False, rings: int = 1, split_roles: bool = False,
           vec_wgs: int = 1, x_hints: bool = False, norm_wg: bool = False, norm_warps: int = 2,
           norm_w_smem: bool = False, diag: str = "", norm_prepoll: bool = False, dots_defer: bool = False,
-          xss_by_row: bool = False, boundary: bool = False):
+          xss_by_row: bool = False, boundary: bool = False, post_tma_store: bool = False):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
@@ -157,10 +158,13 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     the normalizing warps load a pass's partials a pass ahead (``normalize_blocks``); ``dots_defer`` (split roles):
     the dots' warpgroup issues a step's four hi dots first and leaves its last chains in flight into the next step
     (``dots_deferred``); ``xss_by_row``: the norm partials laid out with a row's 16 side by side, so a poll is four
-    16-byte loads, not 16 of 4 bytes. ``diag`` (probe builds only, ``benchmarks/probe_mhc_pre_diag.py``;
-    comma-separated): "timers" has the first thread of each role (producer, normalizing warps, dots, vector) count
-    clock64 cycles waiting on its barriers and in all, written over xss at the end (in the partial layout); "nonorm",
-    "novec", "nodots" and "noxstore" drop that work (wrong results by design).
+    16-byte loads, not 16 of 4 bytes; ``boundary`` (with the normalizing warps): ``mhc_boundary``, the post computed
+    by the vector role from the stage's old residual and y (``mhc_pre_macros.post_chunk``) and written over the stage
+    before the dots read it (barrier ``ready``); ``post_tma_store``: the new residual stored from the stage by TMA.
+    ``diag`` (probe builds only, ``benchmarks/probe_mhc_pre_diag.py``; comma-separated): "timers" has the first thread
+    of each role (producer, normalizing warps, dots, vector) count clock64 cycles waiting on its barriers and in all,
+    written over xss at the end (in the partial layout); "nonorm", "novec", "nodots" and "noxstore" drop that work
+    (wrong results by design).
 
     Arguments: ``h [M, 4d]`` bf16, ``hi/mid/lo [16, 4, 24, d/16]`` bf16 (slice-major parts), ``pre_prev
     [M, 4]`` f32, ``w [d]`` f32 -> ``x [M, d]`` bf16 (normalized), ``ws [nrb*16*64, 24]``, ``ss``,
@@ -188,6 +192,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         raise ValueError(f"TileLang mhc_pre: diag {diag!r}: not among timers, nonorm, novec, nodots, noxstore")
     if dots_defer and not split_roles:
         raise ValueError("TileLang mhc_pre: dots_defer needs split roles")
+    if post_tma_store and not boundary:
+        raise ValueError("TileLang mhc_pre: post_tma_store is for the boundary")
     if boundary and not (norm_wg and mid_resident) or boundary and "novec" in diag:
         raise ValueError("TileLang mhc_pre: the boundary (post fused) needs the normalizing warps, the mid part "
                          "resident and the vector role")
@@ -220,7 +226,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         rings=rings, nrun=nrun, vals=vals, run_col=run_col, x_hints=x_hints, mid_resident=mid_resident, lead=lead,
         nt=nt, nring=nring, flags=flags, norm_w_smem=norm_w_smem, norm_prepoll=norm_prepoll, nmix=NMIX, stages=stages,
         xss_by_row=xss_by_row, HC=HC, lag=lag, tpr=tpr, boundary=boundary, dots_defer=dots_defer, norm_wg=norm_wg,
-        producer=producer)
+        producer=producer, post_tma_store=post_tma_store)
     mc = kernel_macros(T, geo)
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
     issue, resident, normalize_blocks = mc.issue, mc.resident, mc.normalize_blocks

@@ -17,7 +17,7 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
     nrun, vals, run_col, x_hints, mid_resident, lead, nt, nring = (
         g.nrun, g.vals, g.run_col, g.x_hints, g.mid_resident, g.lead, g.nt, g.nring)
     flags, norm_w_smem, norm_prepoll, nmix, stages = g.flags, g.norm_w_smem, g.norm_prepoll, g.nmix, g.stages
-    xss_by_row = g.xss_by_row
+    xss_by_row, post_tma_store = g.xss_by_row, g.post_tma_store
     timers = "timers" in flags
     bf16, f32 = "bfloat16", "float32"
 
@@ -230,8 +230,9 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
         """``boundary``: this thread's values of the step's chunk of the new residual, ``post * y + comb^T res``
         with the Triton post kernel's roundings (``mhc_common._combine``: each product and sum rounded, streams in
         order, the result rounded to bf16 once), from the old residual in hv0..hv3 and y from the stage; written over
-        the old values in the stage (the dots read them next) and to ``new_res``; then hv0..hv3 <- the new values
-        (``post_weights`` loaded the row's post and comb)."""
+        the old values in the stage (the dots read them next) and, unless the dots store it from there
+        (``post_tma_store``), to ``new_res``; then hv0..hv3 <- the new values (``post_weights`` loaded the row's post
+        and comb)."""
         y, post_in, comb_in, new_res = b.post
         yv, nb, pk, cm = b.post_regs
         for u in T.unroll(nrun):
@@ -252,7 +253,7 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                 a2[st, r, run_col(hf, u) + e] = nb[2 * vals + u * 8 + e]
             for e in T.vectorized(8):
                 a3[st, r, run_col(hf, u) + e] = nb[3 * vals + u * 8 + e]
-        if row < m:
+        if not post_tma_store and row < m:
             for k in T.unroll(4):
                 for u in T.unroll(nrun):
                     for e in T.vectorized(8):
@@ -262,6 +263,23 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
             hv1[v] = T.cast(nb[1 * vals + v], f32)
             hv2[v] = T.cast(nb[2 * vals + v], f32)
             hv3[v] = T.cast(nb[3 * vals + v], f32)
+
+    @T.macro
+    def post_store(b, t, s, gi):
+        """``post_tma_store``: a warp of the vector role (once every vector thread has written the stage, ``ready``)
+        stores step t's chunk of the new residual from the stage by TMA, four [bm, 32] tiles from one elected lane
+        (rows past M are clipped); it waits for their reads before the role releases the stage (``store_read``).
+        Not from the dots' warpgroup: the elected lane's branch between its wgmmas makes ptxas wait on them (C7517)."""
+        new_res = b.post[3]
+        a0, a1, a2, a3 = b.smem[0], b.smem[1], b.smem[2], b.smem[3]
+        st = t % stages
+        rq = (gi + (t // nc) * groups) * bm
+        colq = s * ds + (t % nc) * bk
+        T.mbarrier_wait_parity(b.ready[st], (t // stages) % 2)
+        T.tma_copy(a0[st, :, :], new_res[rq:rq + bm, 0 * d + colq:0 * d + colq + bk], leader_scope_threads=32)
+        T.tma_copy(a1[st, :, :], new_res[rq:rq + bm, 1 * d + colq:1 * d + colq + bk], leader_scope_threads=32)
+        T.tma_copy(a2[st, :, :], new_res[rq:rq + bm, 2 * d + colq:2 * d + colq + bk], leader_scope_threads=32)
+        T.tma_copy(a3[st, :, :], new_res[rq:rq + bm, 3 * d + colq:3 * d + colq + bk], leader_scope_threads=32)
 
     @T.macro
     def issue(h, wlo, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds, full, ring=0, y=None, ys=None):
@@ -361,5 +379,5 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                            norm_chunk=norm_chunk, load_chunk=load_chunk, stream_dots=stream_dots,
                            load_stream=load_stream, issue=issue, resident=resident, normalize_blocks=normalize_blocks,
                            timed_wait=timed_wait, publish=publish, dots_deferred=dots_deferred,
-                           post_weights=post_weights, post_chunk=post_chunk,
+                           post_weights=post_weights, post_chunk=post_chunk, post_store=post_store,
                            timers_start=timers_start, timers_write=timers_write)

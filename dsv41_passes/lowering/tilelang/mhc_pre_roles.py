@@ -9,12 +9,14 @@ of ``build`` unchanged: the CUDA source of every config is the same as before (m
 from types import SimpleNamespace
 
 
-def consumer_loops(T, g: SimpleNamespace, mc: SimpleNamespace):
-    """``consumer(ring, role)`` of one kernel: ``T`` is ``tilelang.language``, ``g`` the geometry and options
+def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
+    """``consumer(ring, role)`` of one kernel: ``T`` is ``tilelang.language``, ``geo`` the geometry and options
     ``build`` computed, ``mc`` its macros (``mhc_pre_macros.kernel_macros``)."""
     HC, NMIX, bk, bm, ds, groups, lag, m, nc, nring, nrun, rings, stages, tpr, vals = (
-        g.HC, g.nmix, g.bk, g.bm, g.ds, g.groups, g.lag, g.m, g.nc, g.nring, g.nrun, g.rings, g.stages, g.tpr, g.vals)
-    boundary, dots_defer, flags, norm_wg, producer = g.boundary, g.dots_defer, g.flags, g.norm_wg, g.producer
+        geo.HC, geo.nmix, geo.bk, geo.bm, geo.ds, geo.groups, geo.lag, geo.m, geo.nc, geo.nring, geo.nrun, geo.rings,
+        geo.stages, geo.tpr, geo.vals)
+    boundary, dots_defer, flags, norm_wg, producer = geo.boundary, geo.dots_defer, geo.flags, geo.norm_wg, geo.producer
+    post_tma_store = geo.post_tma_store
     bf16, f32 = "bfloat16", "float32"
     pslot, row_rstd, store_x, norm_chunk, load_chunk = mc.pslot, mc.row_rstd, mc.store_x, mc.norm_chunk, mc.load_chunk
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
@@ -99,6 +101,8 @@ def consumer_loops(T, g: SimpleNamespace, mc: SimpleNamespace):
                         mc.post_chunk(b, st, r, hf, row, col, hv0, hv1, hv2, hv3)
                         T.fence_proxy_async()
                         T.mbarrier_arrive(b.ready[st])
+                        if post_tma_store and lt < 32:
+                            mc.post_store(b, t, s, g)
                     for v in T.unroll(vals):
                         sq[v] = T.ieee_fmaf(hv0[v], hv0[v], sq[v])
                         sq[v] = T.ieee_fmaf(hv1[v], hv1[v], sq[v])
@@ -125,6 +129,8 @@ def consumer_loops(T, g: SimpleNamespace, mc: SimpleNamespace):
                         )
                 # stage st is free once every thread is past its reads (the wgmma reads ended at the wait)
                 if producer:
+                    if vec and post_tma_store and lt < 32:  # the stage's TMA stores have read it
+                        T.tma_store_wait(0)
                     T.mbarrier_arrive(b.empty[st])
                 else:
                     T.sync_threads()
