@@ -364,6 +364,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                         consumer(1)(ring_blocks(nloc, 1), frags[1], tx - 256, b)
 
     rows = T.ceildiv(m, bm) * wgs * S * BM  # of the partial buffers
+    # two signatures with the same first ten tensors: TileLang reads a prim_func's parameters from its source, and the
+    # plain kernel keeps its own (its CUDA source unchanged)
     if boundary:
         @T.prim_func
         def pre(
