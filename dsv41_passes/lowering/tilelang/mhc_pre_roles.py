@@ -2,7 +2,8 @@
 steps, for both roles or, with split roles, for the dots (the wgmmas, the hi sums, the mix partials; with
 ``dots_defer`` the loop of ``mhc_pre_macros.dots_deferred``) or the vector work (the sums of squares, the collapse, the
 x stores, the post of ``boundary``, the norm partials, and the lagged norm without the normalizing warps). Moved out
-of ``build`` unchanged: the CUDA source of every config is the same as before (md5 of ``get_kernel_source()``)."""
+of ``build`` in the twenty-second session; the move left every config's CUDA source as it was (md5 of
+``get_kernel_source()``)."""
 
 # No ``from __future__ import annotations``: TileLang evaluates the macros' annotations.
 
