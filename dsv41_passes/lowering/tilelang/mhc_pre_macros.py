@@ -81,23 +81,14 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
         """red[1] <- rsqrt factor of row r of row block rbn, once its 16 slice partials are published
         (relaxed loads from L2, polled; the values are the only data read, so no fence is needed); ``polled``: pv
         already holds a first poll (``poll_issue``)."""
-        if polled:
-            for it in T.serial(m + (1 << 30)):
-                if it > 0:
-                    poll_issue(xss, rbn, r, pv)
-                red[0] = 0.0
-                for s2 in T.unroll(S):
-                    red[0] = T.if_then_else(pv[s2] == SENTINEL, 1.0, red[0])
-                if red[0] == 0.0:
-                    T.loop_break()
-        else:
-            for _ in T.serial(m + (1 << 30)):  # a ``while`` is not accepted here; a runtime bound is not unrolled
+        for it in T.serial(m + (1 << 30)):  # a ``while`` is not accepted here; a runtime bound is not unrolled
+            if not polled or it > 0:
                 poll_issue(xss, rbn, r, pv)
-                red[0] = 0.0
-                for s2 in T.unroll(S):
-                    red[0] = T.if_then_else(pv[s2] == SENTINEL, 1.0, red[0])
-                if red[0] == 0.0:
-                    T.loop_break()
+            red[0] = 0.0
+            for s2 in T.unroll(S):
+                red[0] = T.if_then_else(pv[s2] == SENTINEL, 1.0, red[0])
+            if red[0] == 0.0:
+                T.loop_break()
         red[0] = 0.0
         for s2 in T.unroll(S):  # slice order, as the Triton finish kernel
             red[0] = T.ieee_add(red[0], pv[s2])
