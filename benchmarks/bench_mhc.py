@@ -154,6 +154,14 @@ def variants(unit: str, t: dict[str, torch.Tensor], compiled: dict[str, Callable
                 return (new, *tlp.mhc_pre(new, pp, sliced, sc, ba, w, ITERS, HC_EPS, NORM_EPS, EPS))
 
             out[f"triton post + tilelang mhc_pre (the op's from M {tilelang_min_m()})"] = post_then_tilelang_pre
+
+            def fused(opts):  # the post inside the persistent kernel (the op's with DSV41_MHC_BOUNDARY_FUSED)
+                cfg = dict(tlp.DEFAULT_CONFIG, **opts)
+                return lambda: tlp.mhc_boundary(y, h, po, co, pp, sliced, sc, ba, w, ITERS, HC_EPS, NORM_EPS, EPS,
+                                                config=cfg)
+
+            out["tilelang (fused boundary, one persistent kernel)"] = fused({})
+            out["tilelang (fused boundary, new residual stored by TMA)"] = fused({"post_tma_store": True})
         if tkm is not None:
             def tk_boundary():
                 new = tilekernels_post(tkm, y, h, po, co)
@@ -264,7 +272,7 @@ def run(ms: list[int], units: tuple[str, ...] = UNITS, release_cache: bool = Tru
                 key = (unit, name.split(" ")[0])
                 if key in ANCHORS and m in MS:
                     row["anchor_ms"] = ANCHORS[key][MS.index(m)]
-                if name.startswith("triton") and (unit, m) in GOALS:
+                if name.startswith(("triton", "tilelang")) and (unit, m) in GOALS:
                     row["goal_ms"] = GOALS[(unit, m)]
                 rows.append(row)
                 print(table([row], ["unit", "M", "variant", "check", "ms", "x_roofline", "anchor_ms", "goal_ms"])

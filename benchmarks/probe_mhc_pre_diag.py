@@ -6,6 +6,10 @@ the CTAs, thousands of cycles and shares of the role's total; read back from xss
 
     source .devsite/setup.sh && python3 benchmarks/probe_mhc_pre_diag.py 65536,16384 \
         'ws={"norm_w_smem": true}' 'tim={"diag": "timers"}' 'cut={"diag": "timers,nonorm"}'
+
+A variant is ``name=JSON`` (options added to the default config) or a ``mhc_pre.CONFIGS`` name (that whole config);
+``--unmeasured`` adds every config of ``mhc_pre.UNMEASURED``; ``--with-timers`` adds a ``"diag": "timers"`` build of
+every variant (named ``<variant>+t``), the default's included.
 """
 import json
 import sys
@@ -23,12 +27,35 @@ ROLES = {"producer": ("wait empty", "-", "total"), "norm": ("wait xdone", "polls
          "dots": ("wait full", "-", "total"), "vec": ("wait full", "wait xfree", "total")}
 
 
+def parse_variants(specs: list[str]) -> dict[str, dict]:
+    """The variants of the command line (see the module docstring), "base" (the default config) first."""
+    flags = {a for a in specs if a.startswith("--")}
+    unknown = flags - {"--unmeasured", "--with-timers"}
+    if unknown:
+        raise SystemExit(f"unknown option(s) {sorted(unknown)}")
+    names = [a for a in specs if not a.startswith("--")]
+    if "--unmeasured" in flags:
+        names += [n for n in tlp.UNMEASURED if n not in names]
+    variants = {"base": {}}
+    for spec in names:
+        name, eq, opts = spec.partition("=")
+        if eq:
+            variants[name] = json.loads(opts)
+        elif name in tlp.CONFIGS:
+            variants[name] = dict(tlp.CONFIGS[name])
+        else:
+            raise SystemExit(f"{spec!r}: neither name=JSON nor one of {sorted(tlp.CONFIGS)}")
+    if "--with-timers" in flags:
+        for name, opts in list(variants.items()):
+            diag = [f for f in opts.get("diag", "").split(",") if f]
+            if "timers" not in diag:
+                variants[f"{name}+t"] = dict(opts, diag=",".join(["timers", *diag]))
+    return variants
+
+
 def main():
     ms = [int(a) for a in sys.argv[1].split(",")]
-    variants = {"base": {}}
-    for spec in sys.argv[2:]:
-        name, _, opts = spec.partition("=")
-        variants[name] = json.loads(opts)
+    variants = parse_variants(sys.argv[2:])
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     groups = tlp.groups_for(sm)
     for m in ms:
@@ -48,7 +75,8 @@ def main():
         times = time_interleaved(fns, rounds=8)
         print(f"\n## M = {m}\n\n| variant | same bits as base | ms (median) | ms (min) |\n|---|---|---|---|")
         for n, (med, low) in times.items():
-            print(f"| {n} {json.dumps(variants[n])} | {same[n]} | {med:.4f} | {low:.4f} |")
+            diff = {k: v for k, v in variants[n].items() if tlp.DEFAULT_CONFIG.get(k) != v}  # options beside the default
+            print(f"| {n} {json.dumps(diff)} | {same[n]} | {med:.4f} | {low:.4f} |")
         print("\nTimers: medians over the CTAs, thousands of cycles (and fractions of the role's total)\n")
         print("| variant | " + " | ".join(f"{role}: {c}" for role, cs in ROLES.items() for c in cs if c != "-") + " |")
         print("|---|" + "---|" * sum(c != "-" for cs in ROLES.values() for c in cs))

@@ -2,8 +2,10 @@
 # Everything the H200 run checks and times, in one call:
 #   source .devsite/setup.sh && bash benchmarks/run_gpu.sh [stage ...]
 # Stages (default: env tests mhc rope_store wo_a guards); also quick (benchmarks/quick_check.py),
-# guards_layer, prefill (examples/03_prefill_benchmark.py) and run_all (benchmarks/run_all.py). Each stage runs in its own
-# process with a time limit and the run goes on when one fails; logs and JSON land in $OUT.
+# guards_layer, prefill (examples/03_prefill_benchmark.py), run_all (benchmarks/run_all.py), and for the TileLang mhc_pre
+# configs not yet run on a GPU (mhc_pre.UNMEASURED) and its fused boundary: mhc_unmeasured (timed in turn with the
+# default, with clock64 timers), mhc_unmeasured_tests (their bits, and the fused boundary's) and mhc_boundary_probe.
+# Each stage runs in its own process with a time limit and the run goes on when one fails; logs and JSON land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/dsv41-out}
 mkdir -p "$OUT"
@@ -36,6 +38,14 @@ for s in $stages; do
     guards_layer) run guards_layer ${GUARDS_LIMIT:-300} python3 benchmarks/check_guards.py --layer-only ;;
     prefill) run prefill ${PREFILL_LIMIT:-330} python3 examples/03_prefill_benchmark.py --json "$OUT/prefill.json" \
                --budget-s ${PREFILL_BUDGET:-200} ;;
+    mhc_unmeasured) run mhc_unmeasured ${UNMEASURED_LIMIT:-300} python3 benchmarks/probe_mhc_pre_diag.py \
+                      ${UNMEASURED_MS:-65536,16384,4096} --unmeasured --with-timers ;;
+    mhc_unmeasured_tests)
+      k=$(python3 -c "from dsv41_passes.lowering.tilelang import mhc_pre as t; print(' or '.join(t.UNMEASURED))")
+      run mhc_unmeasured_tests ${TESTS_LIMIT:-300} python3 -m pytest -q -m gpu tests/lowering/test_mhc_pre_tilelang.py \
+        -n ${JOBS:-4} -p no:cacheprovider -rfE -k "$k or fused_boundary" ;;
+    mhc_boundary_probe) run mhc_boundary_probe ${BOUNDARY_LIMIT:-240} python3 benchmarks/probe_mhc_boundary.py \
+                          --no-fused --tilelang ${BOUNDARY_MS:-65536 16384 4096} ;;
     run_all) run run_all ${RUN_ALL_LIMIT:-560} python3 benchmarks/run_all.py --out "$OUT" ${RUN_ALL_ARGS:-} ;;
     *) echo "unknown stage $s" ;;
   esac

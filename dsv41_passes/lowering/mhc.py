@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -364,11 +365,42 @@ def _tilelang_boundary_ok(y, res, post, comb, pre_prev, fn, scale, base, weight,
                             batch_invariant=batch_invariant)
 
 
+def fused_boundary_options(value: str) -> dict | None:
+    """``DSV41_MHC_BOUNDARY_FUSED``: "off" (or empty) -> None; "on" -> {}; else a JSON object of ``mhc_pre_kernel.build``
+    options added to the TileLang ``mhc_pre``'s config (e.g. ``{"post_tma_store": true}``)."""
+    v = value.strip()
+    if v.lower() in ("", "off", "0", "none"):
+        return None
+    if v.lower() in ("on", "1"):
+        return {}
+    try:
+        opts = json.loads(v)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"DSV41_MHC_BOUNDARY_FUSED={value!r}: not off, on or a JSON object ({e})") from None
+    if not isinstance(opts, dict):
+        raise ValueError(f"DSV41_MHC_BOUNDARY_FUSED={value!r}: not off, on or a JSON object")
+    return opts
+
+
+# The post inside the persistent kernel (``tilelang.mhc_pre.mhc_boundary``: the new residual written once, never read
+# back), where this provider runs and y is contiguous; None: the Triton post, then the TileLang mhc_pre. Off until it is
+# timed on the GPU: it was written without one (twenty-second session). DSV41_MHC_BOUNDARY_FUSED sets it.
+FUSED_BOUNDARY: dict | None = fused_boundary_options(os.environ.get("DSV41_MHC_BOUNDARY_FUSED", "off"))
+
+
 @register_provider("mhc_boundary", "tilelang", _tilelang_boundary_ok, wants_mode=True)
 def _tilelang_boundary(y, res, post, comb, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, *,
                        batch_invariant, mode):
     from .triton import mhc as tk
 
+    if FUSED_BOUNDARY is not None and y.is_contiguous():
+        from .mhc_weights import bf16x3_slice_parts
+        from .registry import static_weights
+        from .tilelang import mhc_pre as tlp
+
+        sliced = bf16x3_slice_parts(fn, res.shape[2], static=static_weights(mode))
+        return tlp.mhc_boundary(y, res, post, comb, pre_prev, sliced, scale, base, weight, iters, hc_eps, norm_eps, eps,
+                                config=dict(tlp.DEFAULT_CONFIG, **FUSED_BOUNDARY))
     new_res = tk.mhc_post(y, res, post, comb, batch_invariant=batch_invariant)
     return (new_res, *_tilelang_pre(new_res, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps,
                                     batch_invariant=batch_invariant, mode=mode))
@@ -455,4 +487,17 @@ def tunables(config, device=None) -> list:
 
             cfg = tlp.DEFAULT_CONFIG
             out.append(Tunable("mhc_pre.tilelang", key, tl_pre_inputs, run_tl_pre, [cfg], cfg, lambda m: cfg))
+            if FUSED_BOUNDARY is not None:  # the boundary's own build (the post inside the kernel)
+                def tl_boundary_inputs(m, dev):
+                    if m < TILELANG_PRE_MIN_M:
+                        return None
+                    y, r, post, comb = post_inputs(m, dev)
+                    return (y, r, post, comb, *tl_pre_inputs(m, dev)[1:])
+
+                def run_tl_boundary(inputs, cfg):
+                    return None if inputs is None else tlp.mhc_boundary(*inputs, config=cfg)
+
+                bcfg = dict(cfg, **FUSED_BOUNDARY)
+                out.append(Tunable("mhc_boundary.tilelang", key, tl_boundary_inputs, run_tl_boundary, [bcfg], bcfg,
+                                   lambda m: bcfg))
     return out

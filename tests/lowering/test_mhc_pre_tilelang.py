@@ -179,6 +179,38 @@ def test_gpu_fused_boundary_matches_the_triton_boundary(m, opts):
         assert torch.equal(a, b), f"{what}: {(a != b).sum().item()} of {a.numel()} differ"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", [{}, {"post_tma_store": True}])
+@pytest.mark.parametrize("m", [1536, 4097])
+def test_gpu_fused_boundary_provider_matches_the_triton_boundary(m, opts, monkeypatch):
+    """With ``FUSED_BOUNDARY`` set (DSV41_MHC_BOUNDARY_FUSED) the op's TileLang boundary runs the post inside the
+    persistent kernel, with the Triton boundary's bits, and builds that kernel once for every M."""
+    _skip_without_tilelang()
+    from dsv41_passes.lowering import mhc as ops
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+
+    from mhc_cases import make_inputs
+
+    if ops.TILELANG_PRE_MIN_M is None or m < ops.TILELANG_PRE_MIN_M:
+        pytest.skip(f"the TileLang provider starts at {ops.TILELANG_PRE_MIN_M}")
+    monkeypatch.setattr(ops, "FUSED_BOUNDARY", opts)
+    mode = registry.encode_mode(False)
+    built = []
+    for mm in (m, m + 1):
+        t = make_inputs(mm, FLASH_D, seed=mm, device="cuda")
+        args = (t["y"], t["h"], t["post"], t["comb"], t["pre_prev"], t["fn"], t["scale"], t["base"], t["w"], ITERS,
+                HC_EPS, NORM_EPS, EPS)
+        got = torch.ops.dsv41.mhc_boundary(*args, "tilelang,triton", mode)
+        ref = torch.ops.dsv41.mhc_boundary(*args, "triton", mode)
+        for what, a, b in zip(("new residual", "x", "pre", "post", "comb"), got, ref):
+            assert torch.equal(a, b), f"M {mm} {what}: {(a != b).sum().item()} of {a.numel()} differ"
+        built.append(set(tlp._KERNELS))
+    opts_key = dict(tlp.DEFAULT_CONFIG, boundary=True, **opts)
+    opts_key.setdefault("lag", tlp.LAG)
+    assert any(k[3] == tuple(sorted(opts_key.items())) for k in built[0])  # the fused kernel ran
+    assert built[1] == built[0]  # and the next M built nothing
+
+
 def test_warmup_lists_the_tilelang_kernel_only_where_it_runs():
     from dsv41_passes.lowering import mhc as ops
     from dsv41_passes.reference import DeepseekV41Config
@@ -240,6 +272,8 @@ def test_configs_are_whole():
     from dsv41_passes.lowering.tilelang import mhc_pre as tlp
 
     assert tlp.DEFAULT_CONFIG.get("split_roles") and not tlp.CONFIGS["wg2-producer"].get("split_roles")
+    # the configs not yet run on a GPU are configs, and the default is not one of them
+    assert set(tlp.UNMEASURED) <= set(tlp.CONFIGS) and tlp.DEFAULT_CONFIG not in [tlp.CONFIGS[n] for n in tlp.UNMEASURED]
     with pytest.raises(ValueError, match="wgs and stages"):
         tlp.partials(torch.empty(1, 4, FLASH_D, dtype=torch.bfloat16), torch.empty(1, 4), None, None, 1e-6,
                      config={"lag": 1}, groups=1)
@@ -344,3 +378,50 @@ def test_provider_check_puts_no_guard_on_m(monkeypatch):
                                     ITERS, HC_EPS, NORM_EPS, EPS, batch_invariant=False)
     assert why is None, why  # a symbolic M is not known to be below the threshold: no guard, and no decline
     assert len(env.guards) == before, env.guards[before:]
+
+
+def test_fused_boundary_switch(monkeypatch):
+    """DSV41_MHC_BOUNDARY_FUSED: off by default; "on" or a JSON object of build options sends the TileLang boundary
+    through ``mhc_pre.mhc_boundary`` with the mhc_pre default config plus those options (the kernel mocked here); a
+    y that is not contiguous keeps the Triton post + TileLang mhc_pre; a bad value is a clear error."""
+    import os
+    import sys
+
+    from dsv41_passes.lowering import mhc as ops
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+    from dsv41_passes.lowering.triton import mhc as tk
+
+    assert ops.fused_boundary_options("off") is None and ops.fused_boundary_options("") is None
+    assert ops.fused_boundary_options("on") == {}
+    assert ops.fused_boundary_options('{"post_tma_store": true}') == {"post_tma_store": True}
+    for bad in ("yes", "[1]"):
+        with pytest.raises(ValueError, match="DSV41_MHC_BOUNDARY_FUSED"):
+            ops.fused_boundary_options(bad)
+    code = "from dsv41_passes.lowering import mhc as o; print(o.FUSED_BOUNDARY)"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    env.pop("DSV41_MHC_BOUNDARY_FUSED", None)
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout.split() == [
+        "None"]
+
+    calls = []
+    monkeypatch.setattr(tlp, "mhc_boundary", lambda *a, config: calls.append(("fused", config)) or ("fused",))
+    monkeypatch.setattr(tk, "mhc_post", lambda *a, **k: calls.append(("post",)) or a[1])
+    monkeypatch.setattr(tlp, "mhc_pre", lambda *a, **k: calls.append(("pre",)) or ("x", "pre", "post", "comb"))
+    m, d = 8, FLASH_D
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(m, d, generator=g).bfloat16()
+    args = [y, torch.randn(m, 4, d, generator=g).bfloat16(), torch.rand(m, 4), torch.rand(m, 4, 4), torch.rand(m, 4),
+            torch.randn(24, 4 * d, generator=g), torch.ones(3), torch.zeros(24), torch.ones(d), ITERS, HC_EPS,
+            NORM_EPS, EPS]
+    mode = registry.encode_mode(False)
+    monkeypatch.setattr(ops, "FUSED_BOUNDARY", None)
+    assert ops._tilelang_boundary(*args, batch_invariant=False, mode=mode)[1:] == ("x", "pre", "post", "comb")
+    assert calls == [("post",), ("pre",)]
+    calls.clear()
+    monkeypatch.setattr(ops, "FUSED_BOUNDARY", {"post_tma_store": True})
+    assert ops._tilelang_boundary(*args, batch_invariant=False, mode=mode) == ("fused",)
+    assert calls == [("fused", dict(tlp.DEFAULT_CONFIG, post_tma_store=True))]
+    calls.clear()
+    strided = torch.randn(m, 2 * d, generator=g).bfloat16()[:, :d]
+    ops._tilelang_boundary(strided, *args[1:], batch_invariant=False, mode=mode)
+    assert calls == [("post",), ("pre",)]

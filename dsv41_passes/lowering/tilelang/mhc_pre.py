@@ -17,8 +17,8 @@ import torch
 from ..mhc_weights import NUM_SLICES, slice_geometry
 from .mhc_pre_kernel import BM, HALF, HC, LAG, NMIX, SENTINEL, build, compile_kernel
 
-__all__ = ["BM", "CONFIGS", "HALF", "HC", "LAG", "NMIX", "SENTINEL", "build", "compile_kernel", "groups_for",
-           "mhc_boundary", "mhc_pre", "partials", "unsupported"]
+__all__ = ["BM", "CONFIGS", "HALF", "HC", "LAG", "NMIX", "SENTINEL", "UNMEASURED", "build", "compile_kernel",
+           "groups_for", "mhc_boundary", "mhc_pre", "partials", "unsupported"]
 
 _LOCK = threading.Lock()
 _KERNELS: dict[tuple[Any, ...], Any] = {}
@@ -132,6 +132,10 @@ CONFIGS["wg1-split-v2-normwg3-ws-xr"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"],
 # four normalizing warps with the copies issued by the vector role: no faster, or slower (docs/performance.md).
 # Dropped unmeasured: each stream's A tile copied into the dots' registers once a step for three register-A wgmmas
 # (``dots_rs``, twenty-first session): at 128 registers a thread ptxas serializes every wgmma of it (C7512).
+# Configs written and built for sm_90a but never run on a GPU: no bits or time measured yet
+# (``benchmarks/probe_mhc_pre_diag.py --unmeasured`` times them against the default; ``run_gpu.sh mhc_unmeasured``).
+UNMEASURED = ("wg1-split-v2-normwg3-ws-pp", "wg1-split-v2-normwg3-ws-dd", "wg1-split-v2-normwg3-ws-xh",
+              "wg1-split-v2-normwg3-ws-xr")
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
 _ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-normwg3-ws")
 if _ENV_CONFIG not in CONFIGS:
