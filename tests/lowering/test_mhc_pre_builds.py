@@ -21,7 +21,8 @@ ITERS, HC_EPS, NORM_EPS, EPS = 20, 1e-6, 1e-6, 1e-6
                                   "wg1-split-v2", "wg1-split-v2-xhints", "wg1-split-v2-normwg",
                                   "wg1-split-v2-normwg3", "wg1-split-v2-normwg3-ws",
                                   "wg1-split-v2-normwg3-ws-pp", "wg1-split-v2-normwg3-ws-dd",
-                                  "wg1-split-v2-normwg3-ws-xh", "wg1-split-v2-normwg3-ws-xr"])
+                                  "wg1-split-v2-normwg3-ws-xh", "wg1-split-v2-normwg3-ws-xr",
+                                  "wg1-split-v2-normwg3-ws-pk"])
 def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     """The sm_90a build: one wgmma shape (m64n24k16, the 24 mix columns unpadded), rounding spelled out
     (no contraction: nvcc --fmad=false and explicit __f*_rn), the residual loads by TMA with the
@@ -112,6 +113,10 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
         sass = subprocess.run([str(tool), "-sass", str(cubins[0])], capture_output=True, text=True).stdout
         assert sass.count("HGMMA.64x24x16") == 2 * src.count("wgmma_ss<")  # two k16 steps a 32-column chunk
         assert sass.count("WARPGROUP.DEPBAR") == len(waits), (sass.count("WARPGROUP.DEPBAR"), len(waits))
+        # packed_cvt: every bf16 rounding two values an instruction (none a value), through the helpers
+        assert ("F2F.BF16.F32 " in sass) != bool(cfg.get("packed_cvt"))
+        if cfg.get("packed_cvt"):
+            assert "dsv41_bf16x8_to_f32(" in src and "dsv41_f32x8_to_bf16(" in src and "cvt.rn.bf16x2.f32" in src
 
 
 def test_two_vector_warpgroups_need_split_roles():
@@ -138,7 +143,8 @@ def test_build_options_are_checked():
         tlp.build(FLASH_D, 8, EPS, **dict(tlp.CONFIGS["wg1-producer"], dots_defer=True))
 
 
-@pytest.mark.parametrize("opts", [{}, {"dots_defer": True}, {"post_tma_store": True}])  # on the default config
+@pytest.mark.parametrize("opts", [{}, {"dots_defer": True}, {"post_tma_store": True}, {"packed_cvt": True}])
+# (on the default config)
 def test_boundary_build(opts, tmp_path, monkeypatch):
     """``mhc_boundary`` in the persistent kernel (``boundary``): y's chunk comes by TMA with the stage; the vector role
     computes the post with the Triton post kernel's roundings, writes the new residual over the stage and to HBM,
@@ -162,7 +168,11 @@ def test_boundary_build(opts, tmp_path, monkeypatch):
     assert dots.index("full[") < dots.index("ready[") < dots.index("wgmma_ss<")  # stage in, post written, then dots
     post = vector[vector.index("post_in + "):vector.index("].arrive();")]
     # _combine's order: ((c0 r0 + c1 r1) + c2 r2) + c3 r3, then post y + that, each rounded; one bf16 rounding
-    assert "(bfloat16_t)__fadd_rn(__fmul_rn(pk[" in post and "__fadd_rn(__fadd_rn(__fadd_rn(__fmul_rn(cm[" in post
+    assert "__fadd_rn(__fadd_rn(__fadd_rn(__fmul_rn(cm[" in post
+    if opts.get("packed_cvt"):  # rounded by the pair, the new values back in f32 by bit operations
+        assert "] = __fadd_rn(__fmul_rn(pk[" in post and post.count("dsv41_f32x8_to_bf16_back(") == 4
+    else:
+        assert "(bfloat16_t)__fadd_rn(__fmul_rn(pk[" in post
     assert all(f"*(uint4*)(((bfloat16_t*)a{i})" in post for i in range(4))
     if opts.get("post_tma_store"):  # from the stage, after every vector thread's writes; read before the release
         assert "new_res + " not in vector and vector.count("tl::tma_store(new_res_desc") == 4
@@ -183,6 +193,7 @@ def test_boundary_build(opts, tmp_path, monkeypatch):
         assert usage and int(usage["STACK"]) == 0, usage
         sass = subprocess.run([str(tool), "-sass", str(cubins[0])], capture_output=True, text=True).stdout
         assert sass.count("WARPGROUP.DEPBAR") == src.count("tl::wait_wgmma<")
+        assert ("F2F.BF16.F32 " in sass) != bool(opts.get("packed_cvt"))
 
 
 def test_boundary_inputs_are_checked():

@@ -102,7 +102,8 @@ def _skip_without_tilelang():
                                   "wg1-split-v2", "wg1-split-v2-xhints", "wg1-split-v2-normwg",
                                   "wg1-split-v2-normwg3", "wg1-split-v2-normwg3-ws",
                                   "wg1-split-v2-normwg3-ws-pp", "wg1-split-v2-normwg3-ws-dd",
-                                  "wg1-split-v2-normwg3-ws-xh", "wg1-split-v2-normwg3-ws-xr"])
+                                  "wg1-split-v2-normwg3-ws-xh", "wg1-split-v2-normwg3-ws-xr",
+                                  "wg1-split-v2-normwg3-ws-pk"])
 @pytest.mark.parametrize("m", [1, 4096, 4097, 65536])
 def test_gpu_matches_the_triton_kernel(m, name):
     """x, pre, post and comb against the Triton mhc_pre; bitwise is the goal (same numerics, n24 instead
@@ -156,7 +157,8 @@ def test_gpu_boundary_provider_matches_the_triton_boundary(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("opts", [{}, {"dots_defer": True}, {"post_tma_store": True}])  # on the default config
+@pytest.mark.parametrize("opts", [{}, {"dots_defer": True}, {"post_tma_store": True}, {"packed_cvt": True}])
+# (on the default config)
 @pytest.mark.parametrize("m", [1, 1536, 4097, 65536])
 def test_gpu_fused_boundary_matches_the_triton_boundary(m, opts):
     """``mhc_pre.mhc_boundary`` (the post inside the persistent kernel) gives the Triton boundary's bits: the new

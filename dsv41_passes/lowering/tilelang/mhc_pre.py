@@ -126,6 +126,12 @@ CONFIGS["wg1-split-v2-normwg3-ws-xh"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"],
 # row block instead of one run of 256 bytes. Written and built for sm_90a (121 registers, no spills), not yet run on
 # the GPU: no time or bits measured.
 CONFIGS["wg1-split-v2-normwg3-ws-xr"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"], xss_by_row=True)
+# the default with the bf16 <-> f32 conversions by bit operations (``packed_cvt``): a value of a packed bf16 pair comes
+# out by one shift or one mask (nvcc spends a PRMT and a shift on a high half) and two values round in one
+# instruction; the same values. In the sm_90a build (twenty-third session): the vector role's loop 322 -> 300 SASS
+# instructions, the normalizing warps' 525 -> 454 (they pace the kernel: busy 98% of it in run 179), 117 registers,
+# no spills. Not yet run on the GPU: no time or bits measured.
+CONFIGS["wg1-split-v2-normwg3-ws-pk"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"], packed_cvt=True)
 # Not kept (measured in runs 173-174 and 179-181, code not in the tree): the row's x loaded before its partials are
 # polled; the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role); the row
 # block's pre weights brought by TMA with its first stage; one stage-barrier arrival a warp instead of a thread;
@@ -135,7 +141,7 @@ CONFIGS["wg1-split-v2-normwg3-ws-xr"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"],
 # Configs written and built for sm_90a but never run on a GPU: no bits or time measured yet
 # (``benchmarks/probe_mhc_pre_diag.py --unmeasured`` times them against the default; ``run_gpu.sh mhc_unmeasured``).
 UNMEASURED = ("wg1-split-v2-normwg3-ws-pp", "wg1-split-v2-normwg3-ws-dd", "wg1-split-v2-normwg3-ws-xh",
-              "wg1-split-v2-normwg3-ws-xr")
+              "wg1-split-v2-normwg3-ws-xr", "wg1-split-v2-normwg3-ws-pk")
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
 _ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-normwg3-ws")
 if _ENV_CONFIG not in CONFIGS:

@@ -112,6 +112,37 @@ __device__ __forceinline__ void dsv41_ld4_relaxed(void* dst, void* src) {
   *reinterpret_cast<float4*>(dst) = v;
 }
 """
+# bf16 <-> f32 by bit operations (``packed_cvt``): a bf16 is the high half of its float, so a value of a packed pair
+# comes out by one shift or one mask (the compiler's own conversion spends a PRMT and a shift on a high half), and a
+# pair rounds to nearest in one instruction (``cvt.rn.bf16x2.f32``, as a cast a value does for each)
+PACKED_CVT_SOURCE = r"""
+__device__ __forceinline__ void dsv41_bf16x8_to_f32(float* dst, const void* src) {
+  const uint4 v = *reinterpret_cast<const uint4*>(src);
+  const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    dst[2 * i] = __uint_as_float(w[i] << 16);
+    dst[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ void dsv41_f32x8_to_bf16_back(void* dst, float* back, const float* src) {
+  uint4 v;
+  unsigned* w = reinterpret_cast<unsigned*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    // (the prelude comes before the CUDA headers: PTX, not __float22bfloat162_rn; the first operand is the high half)
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(src[2 * i + 1]), "f"(src[2 * i]));
+    if (back != nullptr) {
+      back[2 * i] = __uint_as_float(w[i] << 16);
+      back[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  }
+  *reinterpret_cast<uint4*>(dst) = v;
+}
+__device__ __forceinline__ void dsv41_f32x8_to_bf16(void* dst, const float* src) {
+  dsv41_f32x8_to_bf16_back(dst, nullptr, src);
+}
+"""
 
 @contextlib.contextmanager
 def _n24():
@@ -135,7 +166,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
           mid_resident: bool = True, producer: bool = False, rings: int = 1, split_roles: bool = False,
           vec_wgs: int = 1, x_hints: bool = False, norm_wg: bool = False, norm_warps: int = 2,
           norm_w_smem: bool = False, diag: str = "", norm_prepoll: bool = False, dots_defer: bool = False,
-          xss_by_row: bool = False, boundary: bool = False, post_tma_store: bool = False):
+          xss_by_row: bool = False, boundary: bool = False, post_tma_store: bool = False, packed_cvt: bool = False):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
@@ -160,7 +191,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     (``dots_deferred``); ``xss_by_row``: the norm partials laid out with a row's 16 side by side, so a poll is four
     16-byte loads, not 16 of 4 bytes; ``boundary`` (with the normalizing warps): ``mhc_boundary``, the post computed
     by the vector role from the stage's old residual and y (``mhc_pre_macros.post_chunk``) and written over the stage
-    before the dots read it (barrier ``ready``); ``post_tma_store``: the new residual stored from the stage by TMA.
+    before the dots read it (barrier ``ready``); ``post_tma_store``: the new residual stored from the stage by TMA;
+    ``packed_cvt``: the vector role's and the normalizing warps' bf16 <-> f32 conversions by bit operations, two
+    roundings an instruction (``PACKED_CVT_SOURCE``; the same values).
     ``diag`` (probe builds only, ``benchmarks/probe_mhc_pre_diag.py``; comma-separated): "timers" has the first thread
     of each role (producer, normalizing warps, dots, vector) count clock64 cycles waiting on its barriers and in all,
     written over xss at the end (in the partial layout); "nonorm", "novec", "nodots" and "noxstore" drop that work
@@ -226,7 +259,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         rings=rings, nrun=nrun, vals=vals, run_col=run_col, x_hints=x_hints, mid_resident=mid_resident, lead=lead,
         nt=nt, nring=nring, flags=flags, norm_w_smem=norm_w_smem, norm_prepoll=norm_prepoll, nmix=NMIX, stages=stages,
         xss_by_row=xss_by_row, HC=HC, lag=lag, tpr=tpr, boundary=boundary, dots_defer=dots_defer, norm_wg=norm_wg,
-        producer=producer, post_tma_store=post_tma_store)
+        producer=producer, post_tma_store=post_tma_store, packed_cvt=packed_cvt)
     mc = kernel_macros(T, geo)
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
     issue, resident, normalize_blocks = mc.issue, mc.resident, mc.normalize_blocks
@@ -237,7 +270,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
 
     consumer = consumer_loops(T, geo, mc)
 
-    prelude = (X_HINTS_SOURCE if x_hints else "") + (LD4_RELAXED_SOURCE if xss_by_row else "") or None
+    prelude = (X_HINTS_SOURCE if x_hints else "") + (LD4_RELAXED_SOURCE if xss_by_row else "") + (
+        PACKED_CVT_SOURCE if packed_cvt else "") or None
 
     @T.macro
     def body(h, whi, wmid, wlo, pre_prev, nw, x, ws, ss, xss, io_post):
@@ -281,7 +315,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                 ys = T.alloc_shared((stages, bm, bk), bf16)
                 ready = T.alloc_barrier([128 * vec_wgs] * stages)
                 post_regs = (T.alloc_local((vals,), f32), T.alloc_local((HC * vals,), bf16),
-                             T.alloc_local((HC,), f32), T.alloc_local((HC * HC,), f32))
+                             T.alloc_local((HC,), f32), T.alloc_local((HC * HC,), f32),
+                             T.alloc_local((HC * vals,), f32))
             # a ring's accumulators (each consumer warpgroup its own with two rings)
             frags = []
             for _ring in [0, 1][:rings]:
@@ -298,6 +333,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
             xo = T.alloc_local((vals,), bf16)
             xn = T.alloc_local((vals,), bf16)
             wv = T.alloc_local((vals,), f32)
+            xf = T.alloc_local((max(vals, 8),), f32)  # ``packed_cvt``: f32 values before their rounding
             w_s = T.alloc_shared((ds,), f32)  # this slice's norm weights
             pv = T.alloc_local((S,), f32)
             red = T.alloc_local((2,), f32)
@@ -326,8 +362,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                                   io_post[0] if boundary else None, ys if boundary else None)
                         timers_write(xss, g, s, 0, tx, tm)  # (wait on empty, -, total)
                     if norm_wg and tx >= 128 - nt:
-                        normalize_blocks(x, nw, w_s, xss, s, g, nloc, tx - (128 - nt), xdone, xfree, xr, wr, pv,
-                                         red, tm, tc)
+                        normalize_blocks(x, nw, w_s, xss, s, g, nloc, tx - (128 - nt), xdone, xfree, xr, wr, xf,
+                                         pv, red, tm, tc)
             else:
                 resident(whi, wmid, s, hi0, hi1, hi2, hi3, md0, md1, md2, md3, wbar)
             if (not producer) or tx >= 128:
@@ -347,7 +383,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                     smem=(a0, a1, a2, a3, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, md0, md1, md2, md3, mds),
                     full=full, empty=empty if producer else None,
                     xdone=xdone if norm_wg else None, xfree=xfree if norm_wg else None,
-                    regs=(sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red, prn), tm=tm, tc=tc,
+                    regs=(sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red, prn, xf), tm=tm, tc=tc,
                     ready=ready if boundary else None, ys=ys if boundary else None, post=io_post,
                     post_regs=post_regs if boundary else None)
                 if split_roles:  # warpgroup 1 issues the dots, warpgroup 2 (and 3) does the rest

@@ -17,7 +17,7 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
     nrun, vals, run_col, x_hints, mid_resident, lead, nt, nring = (
         g.nrun, g.vals, g.run_col, g.x_hints, g.mid_resident, g.lead, g.nt, g.nring)
     flags, norm_w_smem, norm_prepoll, nmix, stages = g.flags, g.norm_w_smem, g.norm_prepoll, g.nmix, g.stages
-    xss_by_row, post_tma_store = g.xss_by_row, g.post_tma_store
+    xss_by_row, post_tma_store, packed_cvt = g.xss_by_row, g.post_tma_store, g.packed_cvt
     timers = "timers" in flags
     bf16, f32 = "bfloat16", "float32"
 
@@ -64,6 +64,17 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
     def normed(w, xv, rstd):
         """bf16(w * (x * rstd)) of one un-normalized bf16 value (the norm's rounding, wherever it runs)."""
         return T.cast(T.ieee_mul(w, T.ieee_mul(T.cast(xv, f32), rstd)), bf16)
+
+    def cvt_in(dst, src):
+        """``packed_cvt``: the 8 f32 values at ``dst`` <- the 8 bf16 at ``src`` (addresses; by bit operations)."""
+        return T.call_extern("handle", "dsv41_bf16x8_to_f32", dst, src)
+
+    def cvt_out(dst, src, back=None):
+        """``packed_cvt``: the 8 bf16 at ``dst`` <- the 8 f32 at ``src`` rounded to nearest, two an instruction; ``back``:
+        the rounded values as f32 there too (it may be ``src``)."""
+        if back is None:
+            return T.call_extern("handle", "dsv41_f32x8_to_bf16", dst, src)
+        return T.call_extern("handle", "dsv41_f32x8_to_bf16_back", dst, back, src)
 
     @T.macro
     def poll_issue(xss, rbn, r, pv):
@@ -201,15 +212,18 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
     def load_stream(a, hv, st, r, hf):
         """This thread's values of a stream's chunk, from the shared stage, as fp32."""
         for u in T.unroll(nrun):
-            for e in T.vectorized(8):
-                hv[u * 8 + e] = T.cast(a[st, r, run_col(hf, u) + e], f32)
+            if packed_cvt:
+                T.evaluate(cvt_in(T.address_of(hv[u * 8]), T.address_of(a[st, r, run_col(hf, u)])))
+            else:
+                for e in T.vectorized(8):
+                    hv[u * 8 + e] = T.cast(a[st, r, run_col(hf, u) + e], f32)
 
     @T.macro
     def post_weights(b, row):
         """``boundary``: the post and comb weights of this thread's row, before the step's stage wait (L1 hits after
         a row block's first step; padding rows read the last row and are never stored)."""
         y, post_in, comb_in, new_res = b.post
-        yv, nb, pk, cm = b.post_regs
+        yv, nb, pk, cm, _ = b.post_regs
         rc = T.min(row, m - 1)
         for e in T.vectorized(4):
             pk[e] = post_in[rc, e]
@@ -225,15 +239,33 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
         (``post_tma_store``), to ``new_res``; then hv0..hv3 <- the new values (``post_weights`` loaded the row's post
         and comb)."""
         y, post_in, comb_in, new_res = b.post
-        yv, nb, pk, cm = b.post_regs
-        for u in T.unroll(nrun):
-            for e in T.vectorized(8):
-                yv[u * 8 + e] = T.cast(b.ys[st, r, run_col(hf, u) + e], f32)
-        for k in T.unroll(4):
-            for v in T.unroll(vals):
-                nb[k * vals + v] = T.cast(T.ieee_add(T.ieee_mul(pk[k], yv[v]), T.ieee_add(T.ieee_add(T.ieee_add(
-                    T.ieee_mul(cm[k], hv0[v]), T.ieee_mul(cm[4 + k], hv1[v])), T.ieee_mul(cm[8 + k], hv2[v])),
-                    T.ieee_mul(cm[12 + k], hv3[v]))), bf16)
+        yv, nb, pk, cm, nf = b.post_regs
+        if packed_cvt:
+            for u in T.unroll(nrun):
+                T.evaluate(cvt_in(T.address_of(yv[u * 8]), T.address_of(b.ys[st, r, run_col(hf, u)])))
+            for k in T.unroll(4):
+                for v in T.unroll(vals):
+                    nf[k * vals + v] = T.ieee_add(T.ieee_mul(pk[k], yv[v]), T.ieee_add(T.ieee_add(T.ieee_add(
+                        T.ieee_mul(cm[k], hv0[v]), T.ieee_mul(cm[4 + k], hv1[v])), T.ieee_mul(cm[8 + k], hv2[v])),
+                        T.ieee_mul(cm[12 + k], hv3[v])))
+            for u in T.unroll(nrun):  # (the old values are all read: hv0..hv3 <- the new ones)
+                T.evaluate(cvt_out(T.address_of(nb[0 * vals + u * 8]), T.address_of(nf[0 * vals + u * 8]),
+                                   T.address_of(hv0[u * 8])))
+                T.evaluate(cvt_out(T.address_of(nb[1 * vals + u * 8]), T.address_of(nf[1 * vals + u * 8]),
+                                   T.address_of(hv1[u * 8])))
+                T.evaluate(cvt_out(T.address_of(nb[2 * vals + u * 8]), T.address_of(nf[2 * vals + u * 8]),
+                                   T.address_of(hv2[u * 8])))
+                T.evaluate(cvt_out(T.address_of(nb[3 * vals + u * 8]), T.address_of(nf[3 * vals + u * 8]),
+                                   T.address_of(hv3[u * 8])))
+        else:
+            for u in T.unroll(nrun):
+                for e in T.vectorized(8):
+                    yv[u * 8 + e] = T.cast(b.ys[st, r, run_col(hf, u) + e], f32)
+            for k in T.unroll(4):
+                for v in T.unroll(vals):
+                    nb[k * vals + v] = T.cast(T.ieee_add(T.ieee_mul(pk[k], yv[v]), T.ieee_add(T.ieee_add(T.ieee_add(
+                        T.ieee_mul(cm[k], hv0[v]), T.ieee_mul(cm[4 + k], hv1[v])), T.ieee_mul(cm[8 + k], hv2[v])),
+                        T.ieee_mul(cm[12 + k], hv3[v]))), bf16)
         a0, a1, a2, a3 = b.smem[0], b.smem[1], b.smem[2], b.smem[3]
         for u in T.unroll(nrun):
             for e in T.vectorized(8):
@@ -249,11 +281,12 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                 for u in T.unroll(nrun):
                     for e in T.vectorized(8):
                         new_res[row, k * d + col + run_col(hf, u) + e] = nb[k * vals + u * 8 + e]
-        for v in T.unroll(vals):
-            hv0[v] = T.cast(nb[0 * vals + v], f32)
-            hv1[v] = T.cast(nb[1 * vals + v], f32)
-            hv2[v] = T.cast(nb[2 * vals + v], f32)
-            hv3[v] = T.cast(nb[3 * vals + v], f32)
+        if not packed_cvt:
+            for v in T.unroll(vals):
+                hv0[v] = T.cast(nb[0 * vals + v], f32)
+                hv1[v] = T.cast(nb[1 * vals + v], f32)
+                hv2[v] = T.cast(nb[2 * vals + v], f32)
+                hv3[v] = T.cast(nb[3 * vals + v], f32)
 
     @T.macro
     def post_store(b, t, s, gi):
@@ -315,7 +348,7 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
         T.mbarrier_arrive(wbar[0])
 
     @T.macro
-    def normalize_blocks(x, nw, w_s, xss, s, g, nloc, lt, xdone, xfree, xr, wr, pv, red, tm, tc):
+    def normalize_blocks(x, nw, w_s, xss, s, g, nloc, lt, xdone, xfree, xr, wr, xf, pv, red, tm, tc):
         """``norm_wg`` (thread ``lt`` of the ``nt``): each of the CTA's row blocks in order, once the vector role has
         stored it (``xdone``); four threads a row (8 columns of each chunk, so a warp's access covers 8 rows x 64
         contiguous bytes), ``nt / 4`` rows a pass, a row's whole slice loaded at once once its 16 slices have published
@@ -355,8 +388,14 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                                 wr[e] = w_s[c2 * bk + q * 8 + e]
                             else:
                                 wr[e] = nw[s * ds + c2 * bk + q * 8 + e]
-                        for e in T.unroll(8):
-                            xr[c2 * 8 + e] = normed(wr[e], xr[c2 * 8 + e], red[1])
+                        if packed_cvt:
+                            T.evaluate(cvt_in(T.address_of(xf[0]), T.address_of(xr[c2 * 8])))
+                            for e in T.unroll(8):
+                                xf[e] = T.ieee_mul(wr[e], T.ieee_mul(xf[e], red[1]))
+                            T.evaluate(cvt_out(T.address_of(xr[c2 * 8]), T.address_of(xf[0])))
+                        else:
+                            for e in T.unroll(8):
+                                xr[c2 * 8 + e] = normed(wr[e], xr[c2 * 8 + e], red[1])
                         if x_hints:  # (the normalized values leave L2 first)
                             T.call_extern("handle", "dsv41_st16_evict_first",
                                           T.address_of(x[row, s * ds + c2 * bk + q * 8]), T.address_of(xr[c2 * 8]))
@@ -366,7 +405,7 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
             T.mbarrier_arrive(xfree[jj % nring])
         timers_write(xss, g, s, 3, lt, tm)  # (wait on xdone, polls, total)
 
-    return SimpleNamespace(pslot=pslot, xslot=xslot, normed=normed, row_rstd=row_rstd, store_x=store_x,
+    return SimpleNamespace(pslot=pslot, xslot=xslot, normed=normed, cvt_in=cvt_in, cvt_out=cvt_out, row_rstd=row_rstd, store_x=store_x,
                            norm_chunk=norm_chunk, load_chunk=load_chunk, stream_dots=stream_dots,
                            load_stream=load_stream, issue=issue, resident=resident, normalize_blocks=normalize_blocks,
                            timed_wait=timed_wait, publish=publish, dots_deferred=dots_deferred,

@@ -17,7 +17,7 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
         geo.HC, geo.nmix, geo.bk, geo.bm, geo.ds, geo.groups, geo.lag, geo.m, geo.nc, geo.nring, geo.nrun, geo.rings,
         geo.stages, geo.tpr, geo.vals)
     boundary, dots_defer, flags, norm_wg, producer = geo.boundary, geo.dots_defer, geo.flags, geo.norm_wg, geo.producer
-    post_tma_store = geo.post_tma_store
+    post_tma_store, packed_cvt = geo.post_tma_store, geo.packed_cvt
     bf16, f32 = "bfloat16", "float32"
     pslot, row_rstd, store_x, norm_chunk, load_chunk = mc.pslot, mc.row_rstd, mc.store_x, mc.norm_chunk, mc.load_chunk
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
@@ -42,7 +42,7 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
             h, wlo, wmid, x, ws, ss, xss, pre_prev, w_s, s, g = b.io
             a0, a1, a2, a3, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, md0, md1, md2, md3, mds = b.smem
             full = b.full
-            sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red, prn = b.regs
+            sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red, prn, xf = b.regs
             r = lt // tpr  # (the dots' role uses neither)
             hf = lt % tpr
             timers_start(b.tm)
@@ -104,22 +104,41 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
                         T.mbarrier_arrive(b.ready[st])
                         if post_tma_store and lt < 32:
                             mc.post_store(b, t, s, g)
-                    for v in T.unroll(vals):
-                        sq[v] = T.ieee_fmaf(hv0[v], hv0[v], sq[v])
-                        sq[v] = T.ieee_fmaf(hv1[v], hv1[v], sq[v])
-                        sq[v] = T.ieee_fmaf(hv2[v], hv2[v], sq[v])
-                        sq[v] = T.ieee_fmaf(hv3[v], hv3[v], sq[v])
-                        xo[v] = T.cast(
-                            T.ieee_add(
+                    if packed_cvt:  # the same sums; the collapse rounded to bf16 two values at a time
+                        for v in T.unroll(vals):
+                            sq[v] = T.ieee_fmaf(hv0[v], hv0[v], sq[v])
+                            sq[v] = T.ieee_fmaf(hv1[v], hv1[v], sq[v])
+                            sq[v] = T.ieee_fmaf(hv2[v], hv2[v], sq[v])
+                            sq[v] = T.ieee_fmaf(hv3[v], hv3[v], sq[v])
+                            xf[v] = T.ieee_add(
                                 T.ieee_add(
                                     T.ieee_add(T.ieee_mul(pr[0], hv0[v]), T.ieee_mul(pr[1], hv1[v])),
                                     T.ieee_mul(pr[2], hv2[v]),
                                 ),
                                 T.ieee_mul(pr[3], hv3[v]),
-                            ),
-                            bf16,
-                        )
-                        xq[v] = T.ieee_fmaf(T.cast(xo[v], f32), T.cast(xo[v], f32), xq[v])
+                            )
+                        for u in T.unroll(nrun):  # xf <- the rounded values
+                            T.evaluate(mc.cvt_out(T.address_of(xo[u * 8]), T.address_of(xf[u * 8]),
+                                                  T.address_of(xf[u * 8])))
+                        for v in T.unroll(vals):
+                            xq[v] = T.ieee_fmaf(xf[v], xf[v], xq[v])
+                    else:
+                        for v in T.unroll(vals):
+                            sq[v] = T.ieee_fmaf(hv0[v], hv0[v], sq[v])
+                            sq[v] = T.ieee_fmaf(hv1[v], hv1[v], sq[v])
+                            sq[v] = T.ieee_fmaf(hv2[v], hv2[v], sq[v])
+                            sq[v] = T.ieee_fmaf(hv3[v], hv3[v], sq[v])
+                            xo[v] = T.cast(
+                                T.ieee_add(
+                                    T.ieee_add(
+                                        T.ieee_add(T.ieee_mul(pr[0], hv0[v]), T.ieee_mul(pr[1], hv1[v])),
+                                        T.ieee_mul(pr[2], hv2[v]),
+                                    ),
+                                    T.ieee_mul(pr[3], hv3[v]),
+                                ),
+                                bf16,
+                            )
+                            xq[v] = T.ieee_fmaf(T.cast(xo[v], f32), T.cast(xo[v], f32), xq[v])
                     if "noxstore" not in flags:
                         store_x(x, row, col, hf, xo, "last")
                 if mma and "nodots" not in flags:
