@@ -75,7 +75,8 @@ def main():
         times = time_interleaved(fns, rounds=8)
         print(f"\n## M = {m}\n\n| variant | same bits as base | ms (median) | ms (min) |\n|---|---|---|---|")
         for n, (med, low) in times.items():
-            diff = {k: v for k, v in variants[n].items() if tlp.DEFAULT_CONFIG.get(k) != v}  # options beside the default
+            # the options beside the default's
+            diff = {k: v for k, v in variants[n].items() if tlp.DEFAULT_CONFIG.get(k) != v}
             print(f"| {n} {json.dumps(diff)} | {same[n]} | {med:.4f} | {low:.4f} |")
         print("\nTimers: medians over the CTAs, thousands of cycles (and fractions of the role's total)\n")
         print("| variant | " + " | ".join(f"{role}: {c}" for role, cs in ROLES.items() for c in cs if c != "-") + " |")

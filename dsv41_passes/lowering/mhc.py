@@ -366,8 +366,8 @@ def _tilelang_boundary_ok(y, res, post, comb, pre_prev, fn, scale, base, weight,
 
 
 def fused_boundary_options(value: str) -> dict | None:
-    """``DSV41_MHC_BOUNDARY_FUSED``: "off" (or empty) -> None; "on" -> {}; else a JSON object of ``mhc_pre_kernel.build``
-    options added to the TileLang ``mhc_pre``'s config (e.g. ``{"post_tma_store": true}``)."""
+    """``DSV41_MHC_BOUNDARY_FUSED``: "off" (or empty) -> None; "on" -> {}; else a JSON object of
+    ``mhc_pre_kernel.build`` options added to the TileLang ``mhc_pre``'s config (e.g. ``{"post_tma_store": true}``)."""
     v = value.strip()
     if v.lower() in ("", "off", "0", "none"):
         return None

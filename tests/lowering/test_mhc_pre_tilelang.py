@@ -275,7 +275,8 @@ def test_configs_are_whole():
 
     assert tlp.DEFAULT_CONFIG.get("split_roles") and not tlp.CONFIGS["wg2-producer"].get("split_roles")
     # the configs not yet run on a GPU are configs, and the default is not one of them
-    assert set(tlp.UNMEASURED) <= set(tlp.CONFIGS) and tlp.DEFAULT_CONFIG not in [tlp.CONFIGS[n] for n in tlp.UNMEASURED]
+    assert set(tlp.UNMEASURED) <= set(tlp.CONFIGS)
+    assert tlp.DEFAULT_CONFIG not in [tlp.CONFIGS[n] for n in tlp.UNMEASURED]
     with pytest.raises(ValueError, match="wgs and stages"):
         tlp.partials(torch.empty(1, 4, FLASH_D, dtype=torch.bfloat16), torch.empty(1, 4), None, None, 1e-6,
                      config={"lag": 1}, groups=1)

@@ -70,8 +70,8 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
         return T.call_extern("handle", "dsv41_bf16x8_to_f32", dst, src)
 
     def cvt_out(dst, src, back=None):
-        """``packed_cvt``: the 8 bf16 at ``dst`` <- the 8 f32 at ``src`` rounded to nearest, two an instruction; ``back``:
-        the rounded values as f32 there too (it may be ``src``)."""
+        """``packed_cvt``: the 8 bf16 at ``dst`` <- the 8 f32 at ``src`` rounded to nearest, two an instruction;
+        ``back``: the rounded values as f32 there too (it may be ``src``)."""
         if back is None:
             return T.call_extern("handle", "dsv41_f32x8_to_bf16", dst, src)
         return T.call_extern("handle", "dsv41_f32x8_to_bf16_back", dst, back, src)
@@ -405,8 +405,8 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
             T.mbarrier_arrive(xfree[jj % nring])
         timers_write(xss, g, s, 3, lt, tm)  # (wait on xdone, polls, total)
 
-    return SimpleNamespace(pslot=pslot, xslot=xslot, normed=normed, cvt_in=cvt_in, cvt_out=cvt_out, row_rstd=row_rstd, store_x=store_x,
-                           norm_chunk=norm_chunk, load_chunk=load_chunk, stream_dots=stream_dots,
+    return SimpleNamespace(pslot=pslot, xslot=xslot, normed=normed, cvt_in=cvt_in, cvt_out=cvt_out, row_rstd=row_rstd,
+                           store_x=store_x, norm_chunk=norm_chunk, load_chunk=load_chunk, stream_dots=stream_dots,
                            load_stream=load_stream, issue=issue, resident=resident, normalize_blocks=normalize_blocks,
                            timed_wait=timed_wait, publish=publish, dots_deferred=dots_deferred,
                            post_weights=post_weights, post_chunk=post_chunk, post_store=post_store,
