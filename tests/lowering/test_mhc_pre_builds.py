@@ -179,9 +179,10 @@ def test_boundary_build(opts, tmp_path, monkeypatch):
         tail = vector[vector.index("tl::fence_proxy_async();"):]
         assert tail.index("].arrive();") < tail.index("].wait(") < tail.index("tl::tma_store(new_res_desc")
         assert tail.index("tl::tma_store_wait<0, true>();") < tail.index("empty[")
-    else:
-        assert "*(uint4*)(new_res + " in post
-        assert post.index("*(uint4*)(new_res + ") < post.index("tl::fence_proxy_async();")
+    else:  # to HBM once the stage is handed to the dots: the async-proxy fence has no global stores to order
+        assert "new_res + " not in post
+        tail = vector[vector.index("tl::fence_proxy_async();"):]
+        assert tail.index("].arrive();") < tail.index("*(uint4*)(new_res + ") < tail.index("empty[")
     assert re.search(r"tl::fence_proxy_async\(\);\s*ready\[\(t(_\d)? & 3\)\]\.arrive\(\);", vector)
     offsets = [int(v) for v in re.findall(r"buf_dyn_shmem \+ (\d+)\)", src)]
     assert max(offsets) + 320 * 4 <= 227 * 1024 - 1024  # w_s last, and 1 KiB of static shared memory

@@ -235,9 +235,8 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
         """``boundary``: this thread's values of the step's chunk of the new residual, ``post * y + comb^T res``
         with the Triton post kernel's roundings (``mhc_common._combine``: each product and sum rounded, streams in
         order, the result rounded to bf16 once), from the old residual in hv0..hv3 and y from the stage; written over
-        the old values in the stage (the dots read them next) and, unless the dots store it from there
-        (``post_tma_store``), to ``new_res``; then hv0..hv3 <- the new values (``post_weights`` loaded the row's post
-        and comb)."""
+        the old values in the stage (the dots read them next; ``post_global`` or ``post_store`` take it to HBM); then
+        hv0..hv3 <- the new values (``post_weights`` loaded the row's post and comb)."""
         y, post_in, comb_in, new_res = b.post
         yv, nb, pk, cm, nf = b.post_regs
         if packed_cvt:
@@ -276,17 +275,24 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                 a2[st, r, run_col(hf, u) + e] = nb[2 * vals + u * 8 + e]
             for e in T.vectorized(8):
                 a3[st, r, run_col(hf, u) + e] = nb[3 * vals + u * 8 + e]
-        if not post_tma_store and row < m:
-            for k in T.unroll(4):
-                for u in T.unroll(nrun):
-                    for e in T.vectorized(8):
-                        new_res[row, k * d + col + run_col(hf, u) + e] = nb[k * vals + u * 8 + e]
         if not packed_cvt:
             for v in T.unroll(vals):
                 hv0[v] = T.cast(nb[0 * vals + v], f32)
                 hv1[v] = T.cast(nb[1 * vals + v], f32)
                 hv2[v] = T.cast(nb[2 * vals + v], f32)
                 hv3[v] = T.cast(nb[3 * vals + v], f32)
+
+    @T.macro
+    def post_global(b, row, col, hf):
+        """``boundary`` without ``post_tma_store``: this thread's values of the step's chunk of the new residual to
+        HBM (after the stage's ``ready`` arrival: the async-proxy fence before it then has no global stores to order)."""
+        new_res = b.post[3]
+        nb = b.post_regs[1]
+        if row < m:
+            for k in T.unroll(4):
+                for u in T.unroll(nrun):
+                    for e in T.vectorized(8):
+                        new_res[row, k * d + col + run_col(hf, u) + e] = nb[k * vals + u * 8 + e]
 
     @T.macro
     def post_store(b, t, s, gi):
@@ -409,5 +415,5 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                            store_x=store_x, norm_chunk=norm_chunk, load_chunk=load_chunk, stream_dots=stream_dots,
                            load_stream=load_stream, issue=issue, resident=resident, normalize_blocks=normalize_blocks,
                            timed_wait=timed_wait, publish=publish, dots_deferred=dots_deferred,
-                           post_weights=post_weights, post_chunk=post_chunk, post_store=post_store,
+                           post_weights=post_weights, post_chunk=post_chunk, post_global=post_global, post_store=post_store,
                            timers_start=timers_start, timers_write=timers_write)

@@ -102,8 +102,11 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
                         mc.post_chunk(b, st, r, hf, row, col, hv0, hv1, hv2, hv3)
                         T.fence_proxy_async()
                         T.mbarrier_arrive(b.ready[st])
-                        if post_tma_store and lt < 32:
-                            mc.post_store(b, t, s, g)
+                        if post_tma_store:
+                            if lt < 32:
+                                mc.post_store(b, t, s, g)
+                        else:
+                            mc.post_global(b, row, col, hf)
                     if packed_cvt:  # the same sums; the collapse rounded to bf16 two values at a time
                         for v in T.unroll(vals):
                             sq[v] = T.ieee_fmaf(hv0[v], hv0[v], sq[v])
