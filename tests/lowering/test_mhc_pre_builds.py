@@ -115,8 +115,10 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
         assert sass.count("WARPGROUP.DEPBAR") == len(waits), (sass.count("WARPGROUP.DEPBAR"), len(waits))
         # packed_cvt: every bf16 rounding two values an instruction (none a value), through the helpers
         assert ("F2F.BF16.F32 " in sass) != bool(cfg.get("packed_cvt"))
-        if cfg.get("packed_cvt"):
-            assert "dsv41_bf16x8_to_f32(" in src and "dsv41_f32x8_to_bf16(" in src and "cvt.rn.bf16x2.f32" in src
+        if cfg.get("packed_cvt"):  # the stage reads, the collapse and the norm call the helpers
+            body = src[src.index("__global__"):]
+            assert body.count("dsv41_bf16x8_to_f32(") == 4 and body.count("dsv41_f32x8_to_bf16_back(") == 1
+            assert body.count("dsv41_norm_bf16x8(") == 1 and "cvt.rn.bf16x2.f32" in src
 
 
 def test_two_vector_warpgroups_need_split_roles():

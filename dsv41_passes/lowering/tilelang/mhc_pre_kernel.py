@@ -142,6 +142,18 @@ __device__ __forceinline__ void dsv41_f32x8_to_bf16_back(void* dst, float* back,
 __device__ __forceinline__ void dsv41_f32x8_to_bf16(void* dst, const float* src) {
   dsv41_f32x8_to_bf16_back(dst, nullptr, src);
 }
+// the norm of 8 bf16 values in place: bf16(w * (x * rstd)), each product rounded to nearest, a pair at a time
+__device__ __forceinline__ void dsv41_norm_bf16x8(void* x8, const float* w8, float rstd) {
+  uint4 v = *reinterpret_cast<const uint4*>(x8);
+  unsigned* w = reinterpret_cast<unsigned*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float lo = __fmul_rn(w8[2 * i], __fmul_rn(__uint_as_float(w[i] << 16), rstd));
+    const float hi = __fmul_rn(w8[2 * i + 1], __fmul_rn(__uint_as_float(w[i] & 0xffff0000u), rstd));
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(hi), "f"(lo));
+  }
+  *reinterpret_cast<uint4*>(x8) = v;
+}
 """
 
 @contextlib.contextmanager
@@ -333,7 +345,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
             xo = T.alloc_local((vals,), bf16)
             xn = T.alloc_local((vals,), bf16)
             wv = T.alloc_local((vals,), f32)
-            xf = T.alloc_local((max(vals, 8),), f32)  # ``packed_cvt``: f32 values before their rounding
+            xf = T.alloc_local((vals,), f32)  # ``packed_cvt``: the collapse before its rounding
             w_s = T.alloc_shared((ds,), f32)  # this slice's norm weights
             pv = T.alloc_local((S,), f32)
             red = T.alloc_local((2,), f32)
@@ -362,8 +374,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                                   io_post[0] if boundary else None, ys if boundary else None)
                         timers_write(xss, g, s, 0, tx, tm)  # (wait on empty, -, total)
                     if norm_wg and tx >= 128 - nt:
-                        normalize_blocks(x, nw, w_s, xss, s, g, nloc, tx - (128 - nt), xdone, xfree, xr, wr, xf,
-                                         pv, red, tm, tc)
+                        normalize_blocks(x, nw, w_s, xss, s, g, nloc, tx - (128 - nt), xdone, xfree, xr, wr, pv,
+                                         red, tm, tc)
             else:
                 resident(whi, wmid, s, hi0, hi1, hi2, hi3, md0, md1, md2, md3, wbar)
             if (not producer) or tx >= 128:

@@ -354,7 +354,7 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
         T.mbarrier_arrive(wbar[0])
 
     @T.macro
-    def normalize_blocks(x, nw, w_s, xss, s, g, nloc, lt, xdone, xfree, xr, wr, xf, pv, red, tm, tc):
+    def normalize_blocks(x, nw, w_s, xss, s, g, nloc, lt, xdone, xfree, xr, wr, pv, red, tm, tc):
         """``norm_wg`` (thread ``lt`` of the ``nt``): each of the CTA's row blocks in order, once the vector role has
         stored it (``xdone``); four threads a row (8 columns of each chunk, so a warp's access covers 8 rows x 64
         contiguous bytes), ``nt / 4`` rows a pass, a row's whole slice loaded at once once its 16 slices have published
@@ -394,11 +394,9 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                                 wr[e] = w_s[c2 * bk + q * 8 + e]
                             else:
                                 wr[e] = nw[s * ds + c2 * bk + q * 8 + e]
-                        if packed_cvt:
-                            T.evaluate(cvt_in(T.address_of(xf[0]), T.address_of(xr[c2 * 8])))
-                            for e in T.unroll(8):
-                                xf[e] = T.ieee_mul(wr[e], T.ieee_mul(xf[e], red[1]))
-                            T.evaluate(cvt_out(T.address_of(xr[c2 * 8]), T.address_of(xf[0])))
+                        if packed_cvt:  # (normed's roundings, a pair at a time)
+                            T.evaluate(T.call_extern("handle", "dsv41_norm_bf16x8", T.address_of(xr[c2 * 8]),
+                                                     T.address_of(wr[0]), red[1]))
                         else:
                             for e in T.unroll(8):
                                 xr[c2 * 8 + e] = normed(wr[e], xr[c2 * 8 + e], red[1])
