@@ -22,7 +22,7 @@ ITERS, HC_EPS, NORM_EPS, EPS = 20, 1e-6, 1e-6, 1e-6
                                   "wg1-split-v2-normwg3", "wg1-split-v2-normwg3-ws",
                                   "wg1-split-v2-normwg3-ws-pp", "wg1-split-v2-normwg3-ws-dd",
                                   "wg1-split-v2-normwg3-ws-xh", "wg1-split-v2-normwg3-ws-xr",
-                                  "wg1-split-v2-normwg3-ws-pk"])
+                                  "wg1-split-v2-normwg3-ws-pk", "wg1-split-v2-normwg3-ws-ml"])
 def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     """The sm_90a build: one wgmma shape (m64n24k16, the 24 mix columns unpadded), rounding spelled out
     (no contraction: nvcc --fmad=false and explicit __f*_rn), the residual loads by TMA with the
@@ -87,17 +87,23 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
         assert src.count("dsv41_st16_evict_last(") == 1 and src.count("dsv41_st16_evict_first(") == firsts
     if cfg.get("norm_wg"):
         assert ("dsv41_st16_evict_first(" in front) == bool(cfg.get("x_hints"))  # (front: the normalizing warps)
-    shapes = set(re.findall(r"wgmma_ss<[^>]*kFloat32, (\d+), (\d+), (\d+),", src))
-    assert shapes == {("64", "24", "16")}, shapes
+    shapes = re.findall(r"wgmma_ss<[^>]*kFloat32, (\d+), (\d+), (\d+),", src)
+    ml48 = cfg.get("ml48", False)  # the mid and lo chains as one n48 wgmma (hi n24): 8 a step, not 12
+    assert set(shapes) == ({("64", "24", "16"), ("64", "48", "16")} if ml48 else {("64", "24", "16")}), shapes
+    assert shapes.count(("64", "48", "16")) == (4 if ml48 else 0)
+    chains = ["acc_mid"] if ml48 else ["acc_mid", "acc_lo"]
     waits = re.findall(r"tl::wait_wgmma<(\d)>", src)
     if cfg.get("dots_defer"):  # streams 1-3's chains of a step in flight into the next; all waited at a block's end
-        assert src.count("wgmma_ss<") == 12 and waits == ["6", "0"], waits
+        assert src.count("wgmma_ss<") == 4 + 4 * len(chains) and waits == [str(3 * len(chains)), "0"], waits
         dots = src[src.index("if (((int)threadIdx.x) < 256) {"):src.index("if (256 <= ((int)threadIdx.x)) {")]
         issued = re.findall(r"\(\(uint32_t\*\)\((\w+) \+ 0\)\)", dots)  # the accumulator of each wgmma, in order
-        assert issued[:4] == ["sh0", "sh1", "sh2", "sh3"] and issued[4:] == ["acc_mid", "acc_lo"] * 4, issued
-        assert dots.count("((c == 0) ? 0 : 1)") == 2  # a row block's chains start from zero by stream 0's scale-d
-    else:
-        assert src.count("wgmma_ss<") == 12 * rings and waits == ["0"] * rings  # 4 streams x 3 parts, one wait a step
+        assert issued[:4] == ["sh0", "sh1", "sh2", "sh3"] and issued[4:] == chains * 4, issued
+        assert dots.count("((c == 0) ? 0 : 1)") == len(chains)  # a block's chains start from zero by stream 0's scale-d
+    else:  # 4 streams x 3 parts (2 with ml48), one wait a step
+        assert src.count("wgmma_ss<") == (4 + 4 * len(chains)) * rings and waits == ["0"] * rings
+    if ml48:  # hi comes with the stage, [mid; lo] is resident (one [48, 32] box a chunk)
+        assert src.count("tma_load(whi_desc, full[") == 4 and "tma_load(whi_desc, wbar[" not in src
+        assert src.count("tma_load(wmid_desc, wbar[") == 4 and "wlo_desc" not in src
     assert "tma_load<tl::CacheHintSm90::EVICT_FIRST>(h_desc" in src
     assert "__fmaf_rn" in src and "__fdiv_rn" in src and "__fsqrt_rn" in src
     offsets = [int(v) for v in re.findall(r"buf_dyn_shmem \+ (\d+)\)", src)]
@@ -111,7 +117,9 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
         # the wgmmas stay asynchronous: one warpgroup barrier a wait in the source; where ptxas cannot keep them in
         # flight (too few registers, accumulators touched while in flight: C7512-C7518) it puts one after each
         sass = subprocess.run([str(tool), "-sass", str(cubins[0])], capture_output=True, text=True).stdout
-        assert sass.count("HGMMA.64x24x16") == 2 * src.count("wgmma_ss<")  # two k16 steps a 32-column chunk
+        # two k16 steps a 32-column chunk
+        assert sass.count("HGMMA.64x24x16") + sass.count("HGMMA.64x48x16") == 2 * src.count("wgmma_ss<")
+        assert sass.count("HGMMA.64x48x16") == (8 if ml48 else 0)
         assert sass.count("WARPGROUP.DEPBAR") == len(waits), (sass.count("WARPGROUP.DEPBAR"), len(waits))
         # packed_cvt: every bf16 rounding two values an instruction (none a value), through the helpers
         assert ("F2F.BF16.F32 " in sass) != bool(cfg.get("packed_cvt"))
@@ -132,8 +140,8 @@ def test_two_vector_warpgroups_need_split_roles():
 
 
 def test_build_options_are_checked():
-    """``diag`` takes only its known flags, ``norm_w_smem`` only goes with the normalizing warps and ``dots_defer``
-    with split roles."""
+    """``diag`` takes only its known flags, ``norm_w_smem`` only goes with the normalizing warps, ``dots_defer`` with
+    split roles and ``ml48`` with split roles and the mid part resident."""
     from dsv41_passes.lowering.tilelang import mhc_pre as tlp
 
     pytest.importorskip("tilelang")
@@ -143,9 +151,14 @@ def test_build_options_are_checked():
         tlp.build(FLASH_D, 8, EPS, **dict(tlp.CONFIGS["wg1-split-v2"], norm_w_smem=True))
     with pytest.raises(ValueError, match="dots_defer needs split roles"):
         tlp.build(FLASH_D, 8, EPS, **dict(tlp.CONFIGS["wg1-producer"], dots_defer=True))
+    with pytest.raises(ValueError, match="ml48 needs split roles and the mid part resident"):
+        tlp.build(FLASH_D, 8, EPS, **dict(tlp.CONFIGS["wg1-producer"], ml48=True))
+    with pytest.raises(ValueError, match="ml48 needs split roles and the mid part resident"):
+        tlp.build(FLASH_D, 8, EPS, **dict(tlp.DEFAULT_CONFIG, ml48=True, mid_resident=False))
 
 
-@pytest.mark.parametrize("opts", [{}, {"dots_defer": True}, {"post_tma_store": True}, {"packed_cvt": True}])
+@pytest.mark.parametrize("opts", [{}, {"dots_defer": True}, {"post_tma_store": True}, {"packed_cvt": True},
+                                  {"ml48": True}])
 # (on the default config)
 def test_boundary_build(opts, tmp_path, monkeypatch):
     """``mhc_boundary`` in the persistent kernel (``boundary``): y's chunk comes by TMA with the stage; the vector role

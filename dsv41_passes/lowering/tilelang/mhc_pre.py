@@ -132,6 +132,13 @@ CONFIGS["wg1-split-v2-normwg3-ws-xr"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"],
 # instructions, the normalizing warps' 525 -> 454 (they pace the kernel: busy 98% of it in run 179), 117 registers,
 # no spills. Not yet run on the GPU: no time or bits measured.
 CONFIGS["wg1-split-v2-normwg3-ws-pk"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"], packed_cvt=True)
+# the default with the mid and lo parts resident side by side ([mid; lo], 48 rows a stream) and their chains one
+# ``wgmma m64n48k16`` a step and stream (``ml48``; hi streams with the stage in lo's place): 16 HGMMA a step instead of
+# 24, and the A tile read from shared memory twice a (stream, k16) instead of three times (about 32 KB a step instead of
+# 48; with the norm cut out the dots' warpgroup paces the kernel, run 179). The same shared memory and L2 bytes. The
+# same sums if a wgmma's column does not depend on its N (the n24 kernel already gives the n32 Triton kernel's bits).
+# Built for sm_90a (twenty-third session): 111 registers, no spills, one wait a step. Not yet run on the GPU.
+CONFIGS["wg1-split-v2-normwg3-ws-ml"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"], ml48=True)
 # Not kept (measured in runs 173-174 and 179-181, code not in the tree): the row's x loaded before its partials are
 # polled; the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role); the row
 # block's pre weights brought by TMA with its first stage; one stage-barrier arrival a warp instead of a thread;
@@ -141,12 +148,27 @@ CONFIGS["wg1-split-v2-normwg3-ws-pk"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"],
 # Configs written and built for sm_90a but never run on a GPU: no bits or time measured yet
 # (``benchmarks/probe_mhc_pre_diag.py --unmeasured`` times them against the default; ``run_gpu.sh mhc_unmeasured``).
 UNMEASURED = ("wg1-split-v2-normwg3-ws-pp", "wg1-split-v2-normwg3-ws-dd", "wg1-split-v2-normwg3-ws-xh",
-              "wg1-split-v2-normwg3-ws-xr", "wg1-split-v2-normwg3-ws-pk")
+              "wg1-split-v2-normwg3-ws-xr", "wg1-split-v2-normwg3-ws-pk", "wg1-split-v2-normwg3-ws-ml")
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
 _ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-normwg3-ws")
 if _ENV_CONFIG not in CONFIGS:
     raise ValueError(f"DSV41_MHC_PRE_TILELANG_CONFIG={_ENV_CONFIG!r}: not one of {sorted(CONFIGS)}")
 DEFAULT_CONFIG = CONFIGS[_ENV_CONFIG]
+
+
+_MID_LO: dict[tuple, torch.Tensor] = {}
+
+
+def _mid_lo(sliced: torch.Tensor) -> torch.Tensor:
+    """``[16, 4, 48, d/16]``: each stream's mid rows, then its lo rows (an ``ml48`` build's resident tile), made once
+    per version of the sliced parts (the last one kept)."""
+    key = (sliced.data_ptr(), sliced._version, tuple(sliced.shape), sliced.device)
+    t = _MID_LO.get(key)
+    if t is None:
+        t = torch.cat((sliced[1], sliced[2]), dim=2).contiguous()
+        _MID_LO.clear()
+        _MID_LO[key] = t
+    return t
 
 
 def partials(h, pre_prev, sliced, weight, eps: float, *, config: dict | None = None, groups: int | None = None,
@@ -179,8 +201,9 @@ def partials(h, pre_prev, sliced, weight, eps: float, *, config: dict | None = N
         if post is not None:
             y, p, c = post
             extra = (y.contiguous(), p.contiguous(), c.reshape(m, n * n).contiguous(), new.view(m, n * d))
+        mid = _mid_lo(sliced) if cfg.get("ml48") else sliced[1]
         _kernel(d, groups, eps, cfg)(
-            h.view(m, n * d), sliced[0], sliced[1], sliced[2], pre_prev.contiguous(), weight.contiguous(),
+            h.view(m, n * d), sliced[0], mid, sliced[2], pre_prev.contiguous(), weight.contiguous(),
             x, ws, ss, xss, *extra,
         )
     out = (x, ws, ss, xss) if with_xss else (x, ws, ss)

@@ -178,7 +178,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
           mid_resident: bool = True, producer: bool = False, rings: int = 1, split_roles: bool = False,
           vec_wgs: int = 1, x_hints: bool = False, norm_wg: bool = False, norm_warps: int = 2,
           norm_w_smem: bool = False, diag: str = "", norm_prepoll: bool = False, dots_defer: bool = False,
-          xss_by_row: bool = False, boundary: bool = False, post_tma_store: bool = False, packed_cvt: bool = False):
+          xss_by_row: bool = False, boundary: bool = False, post_tma_store: bool = False, packed_cvt: bool = False,
+          ml48: bool = False):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
@@ -205,7 +206,10 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     by the vector role from the stage's old residual and y (``mhc_pre_macros.post_chunk``) and written over the stage
     before the dots read it (barrier ``ready``); ``post_tma_store``: the new residual stored from the stage by TMA;
     ``packed_cvt``: the vector role's and the normalizing warps' bf16 <-> f32 conversions by bit operations, two
-    roundings an instruction (``PACKED_CVT_SOURCE``; the same values).
+    roundings an instruction (``PACKED_CVT_SOURCE``; the same values); ``ml48`` (split roles, the mid part resident):
+    the mid and lo parts resident side by side as one [48, DS] tile a stream (``wmid`` is then ``[16, 4, 48, d/16]``,
+    mid rows first) and their two chains one ``wgmma m64n48k16`` a step and stream, which reads the A tile once for
+    both; the hi part streams with the stage in lo's place (``mhc_pre_macros.chain_dots``).
     ``diag`` (probe builds only, ``benchmarks/probe_mhc_pre_diag.py``; comma-separated): "timers" has the first thread
     of each role (producer, normalizing warps, dots, vector) count clock64 cycles waiting on its barriers and in all,
     written over xss at the end (in the partial layout); "nonorm", "novec", "nodots" and "noxstore" drop that work
@@ -242,6 +246,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     if boundary and not (norm_wg and mid_resident) or boundary and "novec" in diag:
         raise ValueError("TileLang mhc_pre: the boundary (post fused) needs the normalizing warps, the mid part "
                          "resident and the vector role")
+    if ml48 and not (split_roles and mid_resident):
+        raise ValueError("TileLang mhc_pre: ml48 needs split roles and the mid part resident")
     if (norm_w_smem or norm_prepoll) and not norm_wg:
         raise ValueError("TileLang mhc_pre: norm_w_smem and norm_prepoll are for the normalizing warps (norm_wg)")
     nt = 32 * norm_warps  # the normalizing threads (``norm_wg``): the producer warpgroup's last ones
@@ -271,7 +277,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         rings=rings, nrun=nrun, vals=vals, run_col=run_col, x_hints=x_hints, mid_resident=mid_resident, lead=lead,
         nt=nt, nring=nring, flags=flags, norm_w_smem=norm_w_smem, norm_prepoll=norm_prepoll, nmix=NMIX, stages=stages,
         xss_by_row=xss_by_row, HC=HC, lag=lag, tpr=tpr, boundary=boundary, dots_defer=dots_defer, norm_wg=norm_wg,
-        producer=producer, post_tma_store=post_tma_store, packed_cvt=packed_cvt)
+        producer=producer, post_tma_store=post_tma_store, packed_cvt=packed_cvt, ml48=ml48)
     mc = kernel_macros(T, geo)
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
     issue, resident, normalize_blocks = mc.issue, mc.resident, mc.normalize_blocks
@@ -292,17 +298,25 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
             s = cta % S
             g = cta // S
             # resident parts, one [24, DS] tile a stream (laid out as DS/32 swizzled [24, 32] chunks)
-            hi0 = T.alloc_shared((NMIX, ds), bf16)
-            hi1 = T.alloc_shared((NMIX, ds), bf16)
-            hi2 = T.alloc_shared((NMIX, ds), bf16)
-            hi3 = T.alloc_shared((NMIX, ds), bf16)
-            if mid_resident:
+            if ml48:  # [mid; lo], one [48, DS] tile a stream; hi streams with the stage (in lo0..lo3)
+                md0 = T.alloc_shared((2 * NMIX, ds), bf16)
+                md1 = T.alloc_shared((2 * NMIX, ds), bf16)
+                md2 = T.alloc_shared((2 * NMIX, ds), bf16)
+                md3 = T.alloc_shared((2 * NMIX, ds), bf16)
+                mds = md0
+                hi0, hi1, hi2, hi3 = md0, md1, md2, md3  # (not read)
+            else:
+                hi0 = T.alloc_shared((NMIX, ds), bf16)
+                hi1 = T.alloc_shared((NMIX, ds), bf16)
+                hi2 = T.alloc_shared((NMIX, ds), bf16)
+                hi3 = T.alloc_shared((NMIX, ds), bf16)
+            if mid_resident and not ml48:
                 md0 = T.alloc_shared((NMIX, ds), bf16)
                 md1 = T.alloc_shared((NMIX, ds), bf16)
                 md2 = T.alloc_shared((NMIX, ds), bf16)
                 md3 = T.alloc_shared((NMIX, ds), bf16)
                 mds = md0
-            else:  # streamed: [stage, stream, 24, 32]
+            elif not mid_resident:  # streamed: [stage, stream, 24, 32]
                 mds = T.alloc_shared((stages, HC, NMIX, bk), bf16)
                 md0 = md1 = md2 = md3 = mds
             # stages: the four streams' [bm, 32] chunk of a row block and the lo part's [24, 32] chunks
@@ -332,7 +346,12 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
             # a ring's accumulators (each consumer warpgroup its own with two rings)
             frags = []
             for _ring in [0, 1][:rings]:
-                frags.append([T.alloc_fragment((bm, NMIX), f32) for _ in range(7)])
+                if ml48:  # acc_mid is [mid | lo] (48 columns), acc_lo the same fragment
+                    acc_ml = T.alloc_fragment((bm, 2 * NMIX), f32)
+                    frags.append([T.alloc_fragment((bm, NMIX), f32), acc_ml, acc_ml]
+                                 + [T.alloc_fragment((bm, NMIX), f32) for _ in range(4)])
+                else:
+                    frags.append([T.alloc_fragment((bm, NMIX), f32) for _ in range(7)])
             # vector thread (r, hf) = (lt // tpr, lt % tpr) owns the runs run_col(hf, .) of every chunk of row r
             sq = T.alloc_local((vals,), f32)
             xq = T.alloc_local((vals,), f32)
@@ -370,7 +389,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                             st = base + q % stages
                             if q >= stages:  # use n of a stage waits for the release of use n - 1
                                 timed_wait(empty, st, ((q // stages) + 1) % 2, tm, tc, 0)
-                            issue(h, wlo, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds, full, ring,
+                            issue(h, whi if ml48 else wlo, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds,
+                                  full, ring,
                                   io_post[0] if boundary else None, ys if boundary else None)
                         timers_write(xss, g, s, 0, tx, tm)  # (wait on empty, -, total)
                     if norm_wg and tx >= 128 - nt:
@@ -412,6 +432,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                         consumer(1)(ring_blocks(nloc, 1), frags[1], tx - 256, b)
 
     rows = T.ceildiv(m, bm) * wgs * S * BM  # of the partial buffers
+    nmid = 2 * NMIX if ml48 else NMIX  # rows of a stream's resident mid tile ([mid; lo] with ml48)
     # two signatures with the same first ten tensors: TileLang reads a prim_func's parameters from its source, and the
     # plain kernel keeps its own (its CUDA source unchanged)
     if boundary:
@@ -419,7 +440,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         def pre(
             h: T.Tensor((m, k_total), bf16),
             whi: T.Tensor((S, HC, NMIX, ds), bf16),
-            wmid: T.Tensor((S, HC, NMIX, ds), bf16),
+            wmid: T.Tensor((S, HC, nmid, ds), bf16),
             wlo: T.Tensor((S, HC, NMIX, ds), bf16),
             pre_prev: T.Tensor((m, HC), f32),
             nw: T.Tensor((d,), f32),
@@ -438,7 +459,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         def pre(
             h: T.Tensor((m, k_total), bf16),
             whi: T.Tensor((S, HC, NMIX, ds), bf16),
-            wmid: T.Tensor((S, HC, NMIX, ds), bf16),
+            wmid: T.Tensor((S, HC, nmid, ds), bf16),
             wlo: T.Tensor((S, HC, NMIX, ds), bf16),
             pre_prev: T.Tensor((m, HC), f32),
             nw: T.Tensor((d,), f32),

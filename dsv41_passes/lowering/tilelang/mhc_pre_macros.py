@@ -17,7 +17,7 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
     nrun, vals, run_col, x_hints, mid_resident, lead, nt, nring = (
         g.nrun, g.vals, g.run_col, g.x_hints, g.mid_resident, g.lead, g.nt, g.nring)
     flags, norm_w_smem, norm_prepoll, nmix, stages = g.flags, g.norm_w_smem, g.norm_prepoll, g.nmix, g.stages
-    xss_by_row, post_tma_store, packed_cvt = g.xss_by_row, g.post_tma_store, g.packed_cvt
+    xss_by_row, packed_cvt, ml48 = g.xss_by_row, g.packed_cvt, g.ml48
     timers = "timers" in flags
     bf16, f32 = "bfloat16", "float32"
 
@@ -137,40 +137,56 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                     xn[u * 8 + e] = x[row, col2 + run_col(hf, u) + e]
 
     @T.macro
-    def hi_dot(a, hi, sh, st, c):
-        """A stream's hi dot of a step (async), from zero."""
-        T.wgmma_gemm(a[st, :, :], hi[:, c * bk:(c + 1) * bk], sh, transpose_B=True, clear_accum=True)
+    def hi_dot(a, hi, lo, sh, st, c):
+        """A stream's hi dot of a step (async), from zero (with ``ml48`` the hi chunk came with the stage, in
+        ``lo``)."""
+        if ml48:
+            T.wgmma_gemm(a[st, :, :], lo[st, :, :], sh, transpose_B=True, clear_accum=True)
+        else:
+            T.wgmma_gemm(a[st, :, :], hi[:, c * bk:(c + 1) * bk], sh, transpose_B=True, clear_accum=True)
 
     @T.macro
     def chain_dots(a, md, mds, k, lo, acc_mid, acc_lo, st, c, fresh=False):
         """A stream's mid and lo dots of a step (async), chained over the slice (from zero where ``fresh`` holds:
         ``dots_deferred`` starts a row block's chains by the wgmma, not by clearing the registers)."""
-        if mid_resident:
+        if ml48:  # [mid; lo] resident: one n48 wgmma, both chains (acc_mid is [mid | lo])
+            T.wgmma_gemm(a[st, :, :], md[:, c * bk:(c + 1) * bk], acc_mid, transpose_B=True, clear_accum=fresh)
+        elif mid_resident:
             T.wgmma_gemm(a[st, :, :], md[:, c * bk:(c + 1) * bk], acc_mid, transpose_B=True, clear_accum=fresh)
         else:
             T.wgmma_gemm(a[st, :, :], mds[st, k, :, :], acc_mid, transpose_B=True, clear_accum=fresh)
-        T.wgmma_gemm(a[st, :, :], lo[st, :, :], acc_lo, transpose_B=True, clear_accum=fresh)
+        if not ml48:
+            T.wgmma_gemm(a[st, :, :], lo[st, :, :], acc_lo, transpose_B=True, clear_accum=fresh)
 
     @T.macro
     def stream_dots(a, hi, md, mds, k, lo, sh, acc_mid, acc_lo, st, c):
         """Stream k's three dots of a step (async): hi from zero into sh, mid and lo chained."""
-        hi_dot(a, hi, sh, st, c)
+        hi_dot(a, hi, lo, sh, st, c)
         chain_dots(a, md, mds, k, lo, acc_mid, acc_lo, st, c)
 
     @T.macro
     def publish(ws, rb, s, fr):
         """This slice's mix partials of row block rb (hi + mid + lo), in the Triton finish kernel's layout."""
         acc_hi, acc_mid, acc_lo = fr[0], fr[1], fr[2]
-        for i, n in T.Parallel(bm, nmix):
-            ws[pslot(rb, i, s), n] = T.ieee_add(T.ieee_add(acc_hi[i, n], acc_mid[i, n]), acc_lo[i, n])
+        if ml48:  # acc_mid is [mid | lo]; lo goes through sh0 (free once the block's groups are done: a parallel loop
+            # reads a fragment at one index only)
+            sh0 = fr[3]
+            for i, n in T.Parallel(bm, nmix):
+                sh0[i, n] = acc_mid[i, nmix + n]
+            for i, n in T.Parallel(bm, nmix):
+                ws[pslot(rb, i, s), n] = T.ieee_add(T.ieee_add(acc_hi[i, n], acc_mid[i, n]), sh0[i, n])
+        else:
+            for i, n in T.Parallel(bm, nmix):
+                ws[pslot(rb, i, s), n] = T.ieee_add(T.ieee_add(acc_hi[i, n], acc_mid[i, n]), acc_lo[i, n])
 
     @T.macro
     def dots_deferred(nloc, fr, lt, b):
         """``dots_defer``: the dots' warpgroup of split roles (one ring, a producer) with each step's last wgmma
         groups in flight into the next step, so the tensor cores do not idle while the warps sum the hi parts,
         release the stage and wait for the next. A step issues the four hi dots first, then the mid / lo chains;
-        ``wait_wgmma<6>`` (it takes at most 7) then has the hi dots done and streams 1-3's chains in flight, and the
-        previous step's groups all done, so its stage is released then. The same products and sums in the same order
+        ``wait_wgmma<6>`` (it takes at most 7; ``<3>`` with ``ml48``, one chain group a stream) then has the hi dots
+        done and streams 1-3's chains in flight, and the previous step's groups all done, so its stage is released
+        then. The same products and sums in the same order
         as the plain loop (the hi parts added in stream order, each chain over the streams in order; a chain starts
         by the wgmma's scale-d, not from zeroed registers, which at most could flip the sign of an all-zero partial,
         not a value). Only chain groups, never read in the loop, stay in flight across its back edge: ptxas
@@ -189,15 +205,15 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                 timed_wait(b.full, st, (t // stages) % 2, b.tm, b.tc, 0)
                 if b.ready is not None:  # ``boundary``: the vector role has written the new residual over the stage
                     T.mbarrier_wait_parity(b.ready[st], (t // stages) % 2)
-                hi_dot(a0, hi0, sh0, st, c)
-                hi_dot(a1, hi1, sh1, st, c)
-                hi_dot(a2, hi2, sh2, st, c)
-                hi_dot(a3, hi3, sh3, st, c)
+                hi_dot(a0, hi0, lo0, sh0, st, c)
+                hi_dot(a1, hi1, lo1, sh1, st, c)
+                hi_dot(a2, hi2, lo2, sh2, st, c)
+                hi_dot(a3, hi3, lo3, sh3, st, c)
                 chain_dots(a0, md0, mds, 0, lo0, acc_mid, acc_lo, st, c, c == 0)
                 chain_dots(a1, md1, mds, 1, lo1, acc_mid, acc_lo, st, c)
                 chain_dots(a2, md2, mds, 2, lo2, acc_mid, acc_lo, st, c)
                 chain_dots(a3, md3, mds, 3, lo3, acc_mid, acc_lo, st, c)
-                T.wait_wgmma(6)
+                T.wait_wgmma(3 if ml48 else 6)  # streams 1-3's chain groups stay in flight
                 for i, n in T.Parallel(bm, nmix):
                     acc_hi[i, n] = T.ieee_add(
                         T.ieee_add(T.ieee_add(T.ieee_add(acc_hi[i, n], sh0[i, n]), sh1[i, n]), sh2[i, n]), sh3[i, n])
@@ -285,7 +301,8 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
     @T.macro
     def post_global(b, row, col, hf):
         """``boundary`` without ``post_tma_store``: this thread's values of the step's chunk of the new residual to
-        HBM (after the stage's ``ready`` arrival: the async-proxy fence before it then has no global stores to order)."""
+        HBM (after the stage's ``ready`` arrival: the async-proxy fence before it then has no global stores to
+        order)."""
         new_res = b.post[3]
         nb = b.post_regs[1]
         if row < m:
@@ -342,10 +359,11 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
     @T.macro
     def resident(whi, wmid, s, hi0, hi1, hi2, hi3, md0, md1, md2, md3, wbar):
         """TMA of slice s's resident weight parts (hi, and mid unless it streams), onto ``wbar``."""
-        T.tma_copy(whi[s, 0, :, :], hi0, barrier=wbar[0], leader_scope_threads=lead)
-        T.tma_copy(whi[s, 1, :, :], hi1, barrier=wbar[0], leader_scope_threads=lead)
-        T.tma_copy(whi[s, 2, :, :], hi2, barrier=wbar[0], leader_scope_threads=lead)
-        T.tma_copy(whi[s, 3, :, :], hi3, barrier=wbar[0], leader_scope_threads=lead)
+        if not ml48:  # (with ml48 hi streams with the stage and wmid is [mid; lo])
+            T.tma_copy(whi[s, 0, :, :], hi0, barrier=wbar[0], leader_scope_threads=lead)
+            T.tma_copy(whi[s, 1, :, :], hi1, barrier=wbar[0], leader_scope_threads=lead)
+            T.tma_copy(whi[s, 2, :, :], hi2, barrier=wbar[0], leader_scope_threads=lead)
+            T.tma_copy(whi[s, 3, :, :], hi3, barrier=wbar[0], leader_scope_threads=lead)
         if mid_resident:
             T.tma_copy(wmid[s, 0, :, :], md0, barrier=wbar[0], leader_scope_threads=lead)
             T.tma_copy(wmid[s, 1, :, :], md1, barrier=wbar[0], leader_scope_threads=lead)
@@ -413,5 +431,6 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                            store_x=store_x, norm_chunk=norm_chunk, load_chunk=load_chunk, stream_dots=stream_dots,
                            load_stream=load_stream, issue=issue, resident=resident, normalize_blocks=normalize_blocks,
                            timed_wait=timed_wait, publish=publish, dots_deferred=dots_deferred,
-                           post_weights=post_weights, post_chunk=post_chunk, post_global=post_global, post_store=post_store,
+                           post_weights=post_weights, post_chunk=post_chunk, post_global=post_global,
+                           post_store=post_store,
                            timers_start=timers_start, timers_write=timers_write)
