@@ -429,3 +429,25 @@ def test_fused_boundary_switch(monkeypatch):
     strided = torch.randn(m, 2 * d, generator=g).bfloat16()[:, :d]
     ops._tilelang_boundary(strided, *args[1:], batch_invariant=False, mode=mode)
     assert calls == [("post",), ("pre",)]
+
+
+def test_ml48_resident_tile_follows_the_parts():
+    """An ``ml48`` build takes each stream's mid rows, then its lo rows, as one tile; made once per sliced-parts tensor
+    and version, remade after an in-place update, dropped with the tensor."""
+    import gc
+
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+
+    g = torch.Generator().manual_seed(0)
+    sliced = torch.randn(3, 16, 4, 24, FLASH_D // 16, generator=g).bfloat16()
+    ml = tlp._mid_lo(sliced)
+    assert tuple(ml.shape) == (16, 4, 48, FLASH_D // 16) and ml.is_contiguous()
+    assert torch.equal(ml[:, :, :24], sliced[1]) and torch.equal(ml[:, :, 24:], sliced[2])
+    assert tlp._mid_lo(sliced) is ml
+    sliced[2].zero_()
+    again = tlp._mid_lo(sliced)
+    assert again is not ml and torch.equal(again[:, :, 24:], sliced[2]) and torch.equal(again[:, :, :24], sliced[1])
+    key = id(sliced)
+    del sliced
+    gc.collect()
+    assert key not in tlp._MID_LO

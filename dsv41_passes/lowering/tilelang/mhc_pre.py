@@ -10,6 +10,7 @@ Here: the launch configs, the compiled-kernel cache, the input checks and the ho
 
 import os
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -156,19 +157,29 @@ if _ENV_CONFIG not in CONFIGS:
 DEFAULT_CONFIG = CONFIGS[_ENV_CONFIG]
 
 
-_MID_LO: dict[tuple, torch.Tensor] = {}
+_MID_LO: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
 def _mid_lo(sliced: torch.Tensor) -> torch.Tensor:
     """``[16, 4, 48, d/16]``: each stream's mid rows, then its lo rows (an ``ml48`` build's resident tile), made once
-    per version of the sliced parts (the last one kept)."""
-    key = (sliced.data_ptr(), sliced._version, tuple(sliced.shape), sliced.device)
-    t = _MID_LO.get(key)
-    if t is None:
-        t = torch.cat((sliced[1], sliced[2]), dim=2).contiguous()
-        _MID_LO.clear()
-        _MID_LO[key] = t
+    per sliced-parts tensor and version, and dropped with the tensor (``mhc_weights.bf16x3_slice_parts``' pattern)."""
+    key = id(sliced)
+    with _LOCK:
+        e = _MID_LO.get(key)
+        if e is not None and e[0]() is sliced and e[1] == sliced._version:
+            return e[2]
+    t = torch.cat((sliced[1], sliced[2]), dim=2).contiguous()
+    ref = weakref.ref(sliced, lambda r, k=key: _drop_mid_lo(k, r))
+    with _LOCK:
+        _MID_LO[key] = (ref, sliced._version, t)
     return t
+
+
+def _drop_mid_lo(key: int, ref: weakref.ref) -> None:
+    with _LOCK:
+        e = _MID_LO.get(key)
+        if e is not None and e[0] is ref:
+            del _MID_LO[key]
 
 
 def partials(h, pre_prev, sliced, weight, eps: float, *, config: dict | None = None, groups: int | None = None,
