@@ -140,6 +140,11 @@ CONFIGS["wg1-split-v2-normwg3-ws-pk"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"],
 # same sums if a wgmma's column does not depend on its N (the n24 kernel already gives the n32 Triton kernel's bits).
 # Built for sm_90a (twenty-third session): 111 registers, no spills, one wait a step. Not yet run on the GPU.
 CONFIGS["wg1-split-v2-normwg3-ws-ml"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"], ml48=True)
+# the three untimed changes that touch different roles together (the dots: ml48 and dots_defer; the vector role and the
+# normalizing warps: packed_cvt), so the first GPU run times the combination beside each part. 114 registers, no
+# spills, two waits (``wait_wgmma<3>`` a step, ``<0>`` a block); the dots' loop 264 SASS instructions a step.
+CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd"] = dict(CONFIGS["wg1-split-v2-normwg3-ws-ml"], packed_cvt=True,
+                                                   dots_defer=True)
 # Not kept (measured in runs 173-174 and 179-181, code not in the tree): the row's x loaded before its partials are
 # polled; the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role); the row
 # block's pre weights brought by TMA with its first stage; one stage-barrier arrival a warp instead of a thread;
@@ -149,7 +154,8 @@ CONFIGS["wg1-split-v2-normwg3-ws-ml"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"],
 # Configs written and built for sm_90a but never run on a GPU: no bits or time measured yet
 # (``benchmarks/probe_mhc_pre_diag.py --unmeasured`` times them against the default; ``run_gpu.sh mhc_unmeasured``).
 UNMEASURED = ("wg1-split-v2-normwg3-ws-pp", "wg1-split-v2-normwg3-ws-dd", "wg1-split-v2-normwg3-ws-xh",
-              "wg1-split-v2-normwg3-ws-xr", "wg1-split-v2-normwg3-ws-pk", "wg1-split-v2-normwg3-ws-ml")
+              "wg1-split-v2-normwg3-ws-xr", "wg1-split-v2-normwg3-ws-pk", "wg1-split-v2-normwg3-ws-ml",
+              "wg1-split-v2-normwg3-ws-ml-pk-dd")
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
 _ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-normwg3-ws")
 if _ENV_CONFIG not in CONFIGS:
