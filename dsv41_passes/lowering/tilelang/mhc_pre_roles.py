@@ -81,7 +81,7 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
                             pr[k] = prn[k]
                         for k in T.unroll(HC):
                             prn[k] = T.if_then_else(row + back * bm < m, pre_prev[row + back * bm, k], 0.0)
-                if vec and boundary:
+                if vec and boundary and c == 0:
                     mc.post_weights(b, row)
                 timed_wait(full, st, (t // stages) % 2, b.tm, b.tc, 0)
                 if mma and boundary:  # the vector role has written the new residual over the stage
