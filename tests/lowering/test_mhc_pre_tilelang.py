@@ -253,6 +253,29 @@ def test_gpu_warmup_builds_the_tilelang_kernel():
 
 
 @pytest.mark.gpu
+def test_gpu_warmup_builds_the_fused_boundary_where_it_is_on(monkeypatch):
+    """With ``FUSED_BOUNDARY`` set the warm-up lists the fused boundary's build and makes it at the threshold (none
+    below); off, it lists none."""
+    _skip_without_tilelang()
+    from dsv41_passes.lowering import mhc as ops
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+    from dsv41_passes.reference import DeepseekV41Config
+
+    if ops.TILELANG_PRE_MIN_M is None:
+        pytest.skip("the TileLang mhc_pre is off")
+    cfg = DeepseekV41Config.flash()
+    monkeypatch.setattr(ops, "FUSED_BOUNDARY", None)
+    assert "mhc_boundary.tilelang" not in {t.op for t in ops.tunables(cfg, "cuda")}
+    monkeypatch.setattr(ops, "FUSED_BOUNDARY", {"post_tma_store": True})
+    (t,) = [t for t in ops.tunables(cfg, "cuda") if t.op == "mhc_boundary.tilelang"]
+    assert t.default == dict(tlp.DEFAULT_CONFIG, post_tma_store=True)
+    tlp._KERNELS.clear()
+    assert t.run(t.make_inputs(ops.TILELANG_PRE_MIN_M - 1, "cuda"), t.default) is None and not tlp._KERNELS
+    t.run(t.make_inputs(ops.TILELANG_PRE_MIN_M, "cuda"), t.default)
+    assert [dict(k[3]).get("boundary") for k in tlp._KERNELS] == [True]
+
+
+@pytest.mark.gpu
 def test_gpu_one_binary_for_every_m_and_rows_independent():
     """One compiled kernel per config for every token count; a row's result never depends on M."""
     _skip_without_tilelang()
