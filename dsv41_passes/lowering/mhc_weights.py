@@ -28,6 +28,7 @@ import os
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,30 +156,38 @@ def slice_major(parts: torch.Tensor, d: int, nmix: int) -> torch.Tensor:
     return v.permute(0, 2, 1, 4, 3).contiguous()
 
 
-_SLICED: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+# tensors derived from a cached derived weight (its slice-major copy, the ``ml48`` kernel's [mid; lo] tile), keyed by
+# what they are and the identity of their source: a source is never changed in place (a weight update builds new
+# parts), so the entry lives as long as the source, and the weakref callback drops it with the source
+_DERIVED: dict[tuple[str, int], tuple[weakref.ref, torch.Tensor]] = {}
+
+
+def derived(tag: str, src: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``make(src)``, built once per ``src`` tensor (``tag`` names what is made), dropped with it."""
+    key = (tag, id(src))
+    with _LOCK:
+        e = _DERIVED.get(key)
+        if e is not None and e[0]() is src:
+            return e[1]
+    out = make(src)
+    ref = weakref.ref(src, lambda r, k=key: _drop_derived(k, r))
+    with _LOCK:
+        _DERIVED[key] = (ref, out)
+    return out
+
+
+def _drop_derived(key: tuple[str, int], ref: weakref.ref) -> None:
+    with _LOCK:
+        e = _DERIVED.get(key)
+        if e is not None and e[0] is ref:
+            del _DERIVED[key]
 
 
 def bf16x3_slice_parts(fn: torch.Tensor, d: int, *, static: bool = False) -> torch.Tensor:
     """``slice_major`` of the cached parts of ``fn``: built once per parts tensor (so it follows the same
     version checks), dropped with it."""
     parts = bf16x3_parts(fn, static=static)
-    key = id(parts)
-    with _LOCK:
-        e = _SLICED.get(key)
-        if e is not None and e[0]() is parts:
-            return e[1]
-    sliced = slice_major(parts, d, fn.shape[0])
-    ref = weakref.ref(parts, lambda r, k=key: _drop_sliced(k, r))
-    with _LOCK:
-        _SLICED[key] = (ref, sliced)
-    return sliced
-
-
-def _drop_sliced(key: int, ref: weakref.ref) -> None:
-    with _LOCK:
-        e = _SLICED.get(key)
-        if e is not None and e[0] is ref:
-            del _SLICED[key]
+    return derived("slice_major", parts, lambda p: slice_major(p, d, fn.shape[0]))
 
 
 def cache_info() -> dict[str, int]:
@@ -186,7 +195,7 @@ def cache_info() -> dict[str, int]:
     built so far in this process."""
     with _LOCK:
         live = [e for e in _CACHE.values() if e.ref() is not None]
-        sliced = [t for r, t in _SLICED.values() if r() is not None]
+        sliced = [t for r, t in _DERIVED.values() if r() is not None]
         return {
             "entries": len(live),
             "bytes": sum(e.parts.numel() * e.parts.element_size() for e in live)
@@ -199,4 +208,4 @@ def clear_cache() -> None:
     """Forget every derived weight (the next call rebuilds; also lifts a static-weights rejection)."""
     with _LOCK:
         _CACHE.clear()
-        _SLICED.clear()
+        _DERIVED.clear()

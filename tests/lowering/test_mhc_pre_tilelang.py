@@ -456,22 +456,26 @@ def test_fused_boundary_switch(monkeypatch):
 
 
 def test_ml48_resident_tile_follows_the_parts():
-    """An ``ml48`` build takes each stream's mid rows, then its lo rows, as one tile; made once per sliced-parts tensor
-    and version, remade after an in-place update, dropped with the tensor."""
+    """An ``ml48`` build takes each stream's mid rows, then its lo rows, as one tile: made once per sliced-parts tensor
+    (a weight update builds new parts, so a new one), in inference mode too, and dropped with it."""
     import gc
 
+    from dsv41_passes.lowering import mhc_weights
     from dsv41_passes.lowering.tilelang import mhc_pre as tlp
 
     g = torch.Generator().manual_seed(0)
-    sliced = torch.randn(3, 16, 4, 24, FLASH_D // 16, generator=g).bfloat16()
-    ml = tlp._mid_lo(sliced)
+    fn = torch.randn(24, 4 * FLASH_D, generator=g) / 100
+    with torch.inference_mode():
+        sliced = bf16x3_slice_parts(fn, FLASH_D)
+        ml = tlp._mid_lo(sliced)
     assert tuple(ml.shape) == (16, 4, 48, FLASH_D // 16) and ml.is_contiguous()
     assert torch.equal(ml[:, :, :24], sliced[1]) and torch.equal(ml[:, :, 24:], sliced[2])
     assert tlp._mid_lo(sliced) is ml
-    sliced[2].zero_()
-    again = tlp._mid_lo(sliced)
-    assert again is not ml and torch.equal(again[:, :, 24:], sliced[2]) and torch.equal(again[:, :, :24], sliced[1])
-    key = id(sliced)
-    del sliced
+    fn.mul_(2)  # a weight update: new parts, new slice-major parts, a new tile
+    sliced2 = bf16x3_slice_parts(fn, FLASH_D)
+    ml2 = tlp._mid_lo(sliced2)
+    assert sliced2 is not sliced and torch.equal(ml2[:, :, 24:], sliced2[2]) and not torch.equal(ml2, ml)
+    key = ("ml48", id(sliced))
+    del sliced, ml
     gc.collect()
-    assert key not in tlp._MID_LO
+    assert key not in mhc_weights._DERIVED

@@ -10,12 +10,11 @@ Here: the launch configs, the compiled-kernel cache, the input checks and the ho
 
 import os
 import threading
-import weakref
 from typing import Any
 
 import torch
 
-from ..mhc_weights import NUM_SLICES, slice_geometry
+from ..mhc_weights import NUM_SLICES, derived, slice_geometry
 from .mhc_pre_kernel import BM, HALF, HC, LAG, NMIX, SENTINEL, build, compile_kernel
 
 __all__ = ["BM", "CONFIGS", "HALF", "HC", "LAG", "NMIX", "SENTINEL", "UNMEASURED", "build", "compile_kernel",
@@ -163,29 +162,10 @@ if _ENV_CONFIG not in CONFIGS:
 DEFAULT_CONFIG = CONFIGS[_ENV_CONFIG]
 
 
-_MID_LO: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
-
-
 def _mid_lo(sliced: torch.Tensor) -> torch.Tensor:
     """``[16, 4, 48, d/16]``: each stream's mid rows, then its lo rows (an ``ml48`` build's resident tile), made once
-    per sliced-parts tensor and version, and dropped with the tensor (``mhc_weights.bf16x3_slice_parts``' pattern)."""
-    key = id(sliced)
-    with _LOCK:
-        e = _MID_LO.get(key)
-        if e is not None and e[0]() is sliced and e[1] == sliced._version:
-            return e[2]
-    t = torch.cat((sliced[1], sliced[2]), dim=2).contiguous()
-    ref = weakref.ref(sliced, lambda r, k=key: _drop_mid_lo(k, r))
-    with _LOCK:
-        _MID_LO[key] = (ref, sliced._version, t)
-    return t
-
-
-def _drop_mid_lo(key: int, ref: weakref.ref) -> None:
-    with _LOCK:
-        e = _MID_LO.get(key)
-        if e is not None and e[0] is ref:
-            del _MID_LO[key]
+    per sliced-parts tensor and dropped with it (``mhc_weights.derived``)."""
+    return derived("ml48", sliced, lambda t: torch.cat((t[1], t[2]), dim=2).contiguous())
 
 
 def partials(h, pre_prev, sliced, weight, eps: float, *, config: dict | None = None, groups: int | None = None,

@@ -23,6 +23,13 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
     stream_dots, load_stream, issue = mc.stream_dots, mc.load_stream, mc.issue
 
+    def collapsed(pr, hv0, hv1, hv2, hv3, v):
+        """The collapse of value v in f32, ``((p0 h0 + p1 h1) + p2 h2) + p3 h3``, each product and sum rounded."""
+        return T.ieee_add(
+            T.ieee_add(T.ieee_add(T.ieee_mul(pr[0], hv0[v]), T.ieee_mul(pr[1], hv1[v])), T.ieee_mul(pr[2], hv2[v])),
+            T.ieee_mul(pr[3], hv3[v]),
+        )
+
     def consumer(ring, role="both"):
         """The consumer loop of one ring (trace-time ``ring``): its warpgroup's row blocks j = local * rings + ring
         of the CTA (``nloc`` of them), ``lt`` the thread's index in the warpgroup, ``fr`` its accumulators, ``b``
@@ -107,41 +114,22 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
                                 mc.post_store(b, t, s, g)
                         else:
                             mc.post_global(b, row, col, hf)
-                    if packed_cvt:  # the same sums; the collapse rounded to bf16 two values at a time
-                        for v in T.unroll(vals):
-                            sq[v] = T.ieee_fmaf(hv0[v], hv0[v], sq[v])
-                            sq[v] = T.ieee_fmaf(hv1[v], hv1[v], sq[v])
-                            sq[v] = T.ieee_fmaf(hv2[v], hv2[v], sq[v])
-                            sq[v] = T.ieee_fmaf(hv3[v], hv3[v], sq[v])
-                            xf[v] = T.ieee_add(
-                                T.ieee_add(
-                                    T.ieee_add(T.ieee_mul(pr[0], hv0[v]), T.ieee_mul(pr[1], hv1[v])),
-                                    T.ieee_mul(pr[2], hv2[v]),
-                                ),
-                                T.ieee_mul(pr[3], hv3[v]),
-                            )
+                    for v in T.unroll(vals):  # the sums of squares and the collapse, ((p0 h0 + p1 h1) + p2 h2) + p3 h3
+                        sq[v] = T.ieee_fmaf(hv0[v], hv0[v], sq[v])
+                        sq[v] = T.ieee_fmaf(hv1[v], hv1[v], sq[v])
+                        sq[v] = T.ieee_fmaf(hv2[v], hv2[v], sq[v])
+                        sq[v] = T.ieee_fmaf(hv3[v], hv3[v], sq[v])
+                        if packed_cvt:  # rounded to bf16 below, two values at a time
+                            xf[v] = collapsed(pr, hv0, hv1, hv2, hv3, v)
+                        else:
+                            xo[v] = T.cast(collapsed(pr, hv0, hv1, hv2, hv3, v), bf16)
+                            xq[v] = T.ieee_fmaf(T.cast(xo[v], f32), T.cast(xo[v], f32), xq[v])
+                    if packed_cvt:
                         for u in T.unroll(nrun):  # xf <- the rounded values
                             T.evaluate(mc.cvt_out(T.address_of(xo[u * 8]), T.address_of(xf[u * 8]),
                                                   T.address_of(xf[u * 8])))
                         for v in T.unroll(vals):
                             xq[v] = T.ieee_fmaf(xf[v], xf[v], xq[v])
-                    else:
-                        for v in T.unroll(vals):
-                            sq[v] = T.ieee_fmaf(hv0[v], hv0[v], sq[v])
-                            sq[v] = T.ieee_fmaf(hv1[v], hv1[v], sq[v])
-                            sq[v] = T.ieee_fmaf(hv2[v], hv2[v], sq[v])
-                            sq[v] = T.ieee_fmaf(hv3[v], hv3[v], sq[v])
-                            xo[v] = T.cast(
-                                T.ieee_add(
-                                    T.ieee_add(
-                                        T.ieee_add(T.ieee_mul(pr[0], hv0[v]), T.ieee_mul(pr[1], hv1[v])),
-                                        T.ieee_mul(pr[2], hv2[v]),
-                                    ),
-                                    T.ieee_mul(pr[3], hv3[v]),
-                                ),
-                                bf16,
-                            )
-                            xq[v] = T.ieee_fmaf(T.cast(xo[v], f32), T.cast(xo[v], f32), xq[v])
                     if "noxstore" not in flags:
                         store_x(x, row, col, hf, xo, "last")
                 if mma and "nodots" not in flags:
