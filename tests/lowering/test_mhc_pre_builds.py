@@ -23,7 +23,7 @@ ITERS, HC_EPS, NORM_EPS, EPS = 20, 1e-6, 1e-6, 1e-6
                                   "wg1-split-v2-normwg3-ws-pp", "wg1-split-v2-normwg3-ws-dd",
                                   "wg1-split-v2-normwg3-ws-xh", "wg1-split-v2-normwg3-ws-xr",
                                   "wg1-split-v2-normwg3-ws-pk", "wg1-split-v2-normwg3-ws-ml",
-                                  "wg1-split-v2-normwg3-ws-ml-pk-dd"])
+                                  "wg1-split-v2-normwg3-ws-ml-pk-dd", "wg1-split-v2-normwg3-ws-ml-pk-dd-xh"])
 def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     """The sm_90a build: one wgmma shape (m64n24k16, the 24 mix columns unpadded), rounding spelled out
     (no contraction: nvcc --fmad=false and explicit __f*_rn), the residual loads by TMA with the

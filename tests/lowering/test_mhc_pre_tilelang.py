@@ -104,7 +104,7 @@ def _skip_without_tilelang():
                                   "wg1-split-v2-normwg3-ws-pp", "wg1-split-v2-normwg3-ws-dd",
                                   "wg1-split-v2-normwg3-ws-xh", "wg1-split-v2-normwg3-ws-xr",
                                   "wg1-split-v2-normwg3-ws-pk", "wg1-split-v2-normwg3-ws-ml",
-                                  "wg1-split-v2-normwg3-ws-ml-pk-dd"])
+                                  "wg1-split-v2-normwg3-ws-ml-pk-dd", "wg1-split-v2-normwg3-ws-ml-pk-dd-xh"])
 @pytest.mark.parametrize("m", [1, 4096, 4097, 65536])
 def test_gpu_matches_the_triton_kernel(m, name):
     """x, pre, post and comb against the Triton mhc_pre; bitwise is the goal (same numerics, n24 instead
