@@ -106,47 +106,52 @@ CONFIGS["wg1-split-v2-normwg3"] = dict(CONFIGS["wg1-split-v2-normwg"], norm_warp
 CONFIGS["wg1-split-v2-normwg3-ws"] = dict(CONFIGS["wg1-split-v2-normwg3"], norm_w_smem=True)
 # the default with the normalizing warps' polls issued a pass ahead (``norm_prepoll``: the next pass's partials are
 # loaded before this pass's normalization, a block's first before its xdone wait; the polls are 29-36% of these warps'
-# time in runs 179 and 181). Written and built for sm_90a (no spills), not yet run on the GPU: no time or bits measured.
+# time in runs 179 and 181). Same bits; slower: 1.297 / 0.3300 / 0.0874 ms against the default's 1.261 / 0.3231 / 0.0871
+# at M = 65536 / 16384 / 4096 (run182-diag.log, the kernel timed in turn, medians).
 CONFIGS["wg1-split-v2-normwg3-ws-pp"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"], norm_prepoll=True)
 # the default with the dots' wgmmas kept in flight across steps (``dots_defer``: a step's four hi dots issued first,
 # then the mid / lo chains, and streams 1-3's chains waited for only at the next step), so the tensor cores do not idle
 # at a step boundary while the warps sum the hi parts, release the stage and wait for the next; the timers of run 179
 # have that warpgroup busy 81% (87% with the norm cut out). Written and built for sm_90a (118 registers, no spills;
-# ptxas keeps the wgmmas asynchronous: one wait a step), not yet run on the GPU: no time or bits measured.
+# ptxas keeps the wgmmas asynchronous: one wait a step). Same bits; 1.246 / 0.3191 / 0.0862 ms against 1.261 / 0.3231 /
+# 0.0871 (run 182).
 CONFIGS["wg1-split-v2-normwg3-ws-dd"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"], dots_defer=True)
 # the default with the L2 eviction hints of ``x_hints`` (the un-normalized collapse stored evict-last by the vector
 # role, the normalized one evict-first by the normalizing warps): their reload of x is a long-scoreboard wait in every
 # pass, from DRAM where the line was evicted in the 2-3 row blocks since it was stored. With the lagged norm the hints
 # cut DRAM bytes by 8% but not the time (run 130); the normalizing warps did not pace that kernel. Written and built
-# for sm_90a (113 registers, no spills), not yet run on the GPU: no time or bits measured.
+# for sm_90a (113 registers, no spills). Same bits; 1.258 / 0.3187 / 0.0831 ms against 1.261 / 0.3231 / 0.0871 (run 182;
+# minima 1.145 / 0.3005 / 0.0801 against 1.202 / 0.3151 / 0.0861).
 CONFIGS["wg1-split-v2-normwg3-ws-xh"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"], x_hints=True)
 # the default with the norm partials laid out a row's 16 side by side (``xss_by_row``): a normalizing thread polls its
 # row with four 16-byte relaxed loads instead of 16 of 4 bytes (a warp's poll: 32 L2 sectors instead of 128, and the
 # polls are 29% of these warps' time in run 179); the vector role's publication becomes 64 scattered 4-byte stores a
-# row block instead of one run of 256 bytes. Written and built for sm_90a (121 registers, no spills), not yet run on
-# the GPU: no time or bits measured.
+# row block instead of one run of 256 bytes. Built for sm_90a (121 registers, no spills). Same bits; slower: 1.395 /
+# 0.3579 / 0.0954 ms against 1.261 / 0.3231 / 0.0871 (run 182).
 CONFIGS["wg1-split-v2-normwg3-ws-xr"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"], xss_by_row=True)
 # the default with the bf16 <-> f32 conversions by bit operations (``packed_cvt``): a value of a packed bf16 pair comes
 # out by one shift or one mask (nvcc spends a PRMT and a shift on a high half) and two values round in one
 # instruction; the same values. In the sm_90a build (twenty-third session): the vector role's loop 322 -> 300 SASS
 # instructions, the normalizing warps' 525 -> 454 (they pace the kernel: busy 98% of it in run 179), 117 registers,
-# no spills. Not yet run on the GPU: no time or bits measured.
+# no spills. Same bits; 1.254 / 0.3187 / 0.0855 ms against 1.261 / 0.3231 / 0.0871 (run 182).
 CONFIGS["wg1-split-v2-normwg3-ws-pk"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"], packed_cvt=True)
 # the default with the mid and lo parts resident side by side ([mid; lo], 48 rows a stream) and their chains one
 # ``wgmma m64n48k16`` a step and stream (``ml48``; hi streams with the stage in lo's place): 16 HGMMA a step instead of
 # 24, and the A tile read from shared memory twice a (stream, k16) instead of three times (about 32 KB a step instead of
 # 48; with the norm cut out the dots' warpgroup paces the kernel, run 179). The same shared memory and L2 bytes. The
 # same sums if a wgmma's column does not depend on its N (the n24 kernel already gives the n32 Triton kernel's bits).
-# Built for sm_90a (twenty-third session): 111 registers, no spills, one wait a step. Not yet run on the GPU.
+# Built for sm_90a (twenty-third session): 111 registers, no spills, one wait a step. Same bits (run 182: the n48 wgmma
+# gives the n24 chains' bits); 1.245 / 0.3184 / 0.0873 ms against 1.261 / 0.3231 / 0.0871.
 CONFIGS["wg1-split-v2-normwg3-ws-ml"] = dict(CONFIGS["wg1-split-v2-normwg3-ws"], ml48=True)
-# the three untimed changes that touch different roles together (the dots: ml48 and dots_defer; the vector role and the
-# normalizing warps: packed_cvt), so the first GPU run times the combination beside each part. 114 registers, no
-# spills, two waits (``wait_wgmma<3>`` a step, ``<0>`` a block); the dots' loop 264 SASS instructions a step.
+# the three changes that touch different roles together (the dots: ml48 and dots_defer; the vector role and the
+# normalizing warps: packed_cvt). 114 registers, no spills, two waits (``wait_wgmma<3>`` a step, ``<0>`` a block); the
+# dots' loop 264 SASS instructions a step. Same bits; 1.244 / 0.3161 / 0.0857 ms against 1.261 / 0.3231 / 0.0871 (run
+# 182), and at M = 16384 10% fewer cycles in every role (its timers). Not the default yet: one probe, no bench.
 CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd"] = dict(CONFIGS["wg1-split-v2-normwg3-ws-ml"], packed_cvt=True,
                                                    dots_defer=True)
 # the same with the x eviction hints (``x_hints``): in run 182 the hints alone took the minimum at M = 65536 from 1.202
 # to 1.145 ms and the median at 4096 from 0.0871 to 0.0831, and the normalizing warps' reload stopped holding the vector
-# role back (its wait on xfree 9% -> 1%). 114 registers, no spills.
+# role back (its wait on xfree 9% -> 1%). 114 registers, no spills. Not yet run on the GPU.
 CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh"] = dict(CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd"], x_hints=True)
 # Not kept (measured in runs 173-174 and 179-181, code not in the tree): the row's x loaded before its partials are
 # polled; the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role); the row
@@ -156,9 +161,8 @@ CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh"] = dict(CONFIGS["wg1-split-v2-norm
 # (``dots_rs``, twenty-first session): at 128 registers a thread ptxas serializes every wgmma of it (C7512).
 # Configs written and built for sm_90a but never run on a GPU: no bits or time measured yet
 # (``benchmarks/probe_mhc_pre_diag.py --unmeasured`` times them against the default; ``run_gpu.sh mhc_unmeasured``).
-UNMEASURED = ("wg1-split-v2-normwg3-ws-pp", "wg1-split-v2-normwg3-ws-dd", "wg1-split-v2-normwg3-ws-xh",
-              "wg1-split-v2-normwg3-ws-xr", "wg1-split-v2-normwg3-ws-pk", "wg1-split-v2-normwg3-ws-ml",
-              "wg1-split-v2-normwg3-ws-ml-pk-dd")
+# Run 182 measured the seven before it.
+UNMEASURED = ("wg1-split-v2-normwg3-ws-ml-pk-dd-xh",)
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
 _ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-normwg3-ws")
 if _ENV_CONFIG not in CONFIGS:
