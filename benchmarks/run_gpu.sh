@@ -41,9 +41,9 @@ for s in $stages; do
     mhc_unmeasured) run mhc_unmeasured ${UNMEASURED_LIMIT:-300} python3 benchmarks/probe_mhc_pre_diag.py \
                       ${UNMEASURED_MS:-65536,16384,4096} --unmeasured --with-timers ;;
     mhc_unmeasured_tests)
-      k=$(python3 -c "from dsv41_passes.lowering.tilelang import mhc_pre as t; print(' or '.join(t.UNMEASURED))")
+      k=$(python3 -c "from dsv41_passes.lowering.tilelang import mhc_pre as t; print(' or '.join([*t.UNMEASURED, 'fused_boundary']))")
       run mhc_unmeasured_tests ${TESTS_LIMIT:-300} python3 -m pytest -q -m gpu tests/lowering/test_mhc_pre_tilelang.py \
-        -n ${JOBS:-4} -p no:cacheprovider -rfE -k "$k or fused_boundary" ;;
+        -n ${JOBS:-4} -p no:cacheprovider -rfE -k "$k" ;;
     mhc_boundary_probe) run mhc_boundary_probe ${BOUNDARY_LIMIT:-240} python3 benchmarks/probe_mhc_boundary.py \
                           --no-fused --tilelang ${BOUNDARY_MS:-65536 16384 4096} ;;
     run_all) run run_all ${RUN_ALL_LIMIT:-560} python3 benchmarks/run_all.py --out "$OUT" ${RUN_ALL_ARGS:-} ;;

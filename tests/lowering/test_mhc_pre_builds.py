@@ -162,9 +162,9 @@ def test_build_options_are_checked():
         tlp.build(FLASH_D, 8, EPS, **dict(tlp.DEFAULT_CONFIG, ml48=True, mid_resident=False))
 
 
-@pytest.mark.parametrize("opts", [{}, {"dots_defer": True}, {"post_tma_store": True}, {"packed_cvt": True},
-                                  {"ml48": True}])
-# (on the default config)
+@pytest.mark.parametrize("opts", [{}, {"dots_defer": False}, {"post_tma_store": True}, {"packed_cvt": False},
+                                  {"ml48": False}])
+# (on the default config, which has dots_defer, packed_cvt and ml48: each also off)
 def test_boundary_build(opts, tmp_path, monkeypatch):
     """``mhc_boundary`` in the persistent kernel (``boundary``): y's chunk comes by TMA with the stage; the vector role
     computes the post with the Triton post kernel's roundings, writes the new residual over the stage and to HBM,
@@ -189,7 +189,7 @@ def test_boundary_build(opts, tmp_path, monkeypatch):
     post = vector[vector.index("post_in + "):vector.index("].arrive();")]
     # _combine's order: ((c0 r0 + c1 r1) + c2 r2) + c3 r3, then post y + that, each rounded; one bf16 rounding
     assert "__fadd_rn(__fadd_rn(__fadd_rn(__fmul_rn(cm[" in post
-    if opts.get("packed_cvt"):  # rounded by the pair, the new values back in f32 by bit operations
+    if cfg.get("packed_cvt"):  # rounded by the pair, the new values back in f32 by bit operations
         assert "] = __fadd_rn(__fmul_rn(pk[" in post and post.count("dsv41_f32x8_to_bf16_back(") == 4
     else:
         assert "(bfloat16_t)__fadd_rn(__fmul_rn(pk[" in post
@@ -214,7 +214,7 @@ def test_boundary_build(opts, tmp_path, monkeypatch):
         assert usage and int(usage["STACK"]) == 0, usage
         sass = subprocess.run([str(tool), "-sass", str(cubins[0])], capture_output=True, text=True).stdout
         assert sass.count("WARPGROUP.DEPBAR") == src.count("tl::wait_wgmma<")
-        assert ("F2F.BF16.F32 " in sass) != bool(opts.get("packed_cvt"))
+        assert ("F2F.BF16.F32 " in sass) != bool(cfg.get("packed_cvt"))
 
 
 def test_boundary_inputs_are_checked():

@@ -158,9 +158,9 @@ def test_gpu_boundary_provider_matches_the_triton_boundary(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("opts", [{}, {"dots_defer": True}, {"post_tma_store": True}, {"packed_cvt": True},
-                                  {"ml48": True}])
-# (on the default config)
+@pytest.mark.parametrize("opts", [{}, {"dots_defer": False}, {"post_tma_store": True}, {"packed_cvt": False},
+                                  {"ml48": False}])
+# (on the default config, which has dots_defer, packed_cvt and ml48: each also off)
 @pytest.mark.parametrize("m", [1, 1536, 4097, 65536])
 def test_gpu_fused_boundary_matches_the_triton_boundary(m, opts):
     """``mhc_pre.mhc_boundary`` (the post inside the persistent kernel) gives the Triton boundary's bits: the new
@@ -314,7 +314,7 @@ def test_default_config_from_the_environment():
 
     code = ("from dsv41_passes.lowering.tilelang import mhc_pre as t; "
             "print(t.DEFAULT_CONFIG == t.CONFIGS['wg1-split'], "
-            "t.DEFAULT_CONFIG is t.CONFIGS['wg1-split-v2-normwg3-ws'])")
+            "t.DEFAULT_CONFIG is t.CONFIGS['wg1-split-v2-normwg3-ws-ml-pk-dd-xh'])")
     root = str(Path(__file__).resolve().parents[2])
 
     def run(value):
