@@ -312,7 +312,7 @@ def _tilelang_stats(h, fn, scale, base, iters, hc_eps, norm_eps, *, batch_invari
 
 # The persistent TileLang mhc_pre (prefill sizes) runs from this token count up, outside batch-invariant
 # mode; None keeps it off. It gives the Triton kernel's bits. The whole op with the then default config
-# (wg1-split-v2-normwg3; the default since run 181 is 1-4% faster, tilelang.mhc_pre.CONFIGS), timed in turn with
+# (wg1-split-v2-normwg3; the defaults since runs 181 and 183 are faster, tilelang.mhc_pre.CONFIGS), timed in turn with
 # the Triton op on the H200 (ms; run174/175-probe_mhc*.log): 1.331 vs 1.698 at M = 65536, 0.3441 vs 0.4232 at
 # 16384, 0.0983 vs 0.1128 at 4096, 0.0507 vs 0.0600 at 2048, 0.0415 vs 0.0524 at 1536, 0.0329 vs 0.0325 at 1024;
 # at M = 128 and 1 it is slower (bench_mhc run 175: 0.0230 vs 0.0145, 0.0192 vs 0.0121).
