@@ -152,10 +152,10 @@ CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd"] = dict(CONFIGS["wg1-split-v2-normwg3
 # the same with the x eviction hints (``x_hints``): in run 182 the hints alone took the minimum at M = 65536 from 1.202
 # to 1.145 ms and the median at 4096 from 0.0871 to 0.0831, and the normalizing warps' reload stopped holding the vector
 # role back (its wait on xfree 9% -> 1%). 114 registers, no spills. The default since run 183: same bits (its x, ws
-# and ss the old default's in the probe; x, pre, post, comb the Triton kernel's at M = 1, 4096, 4097, 65536), timed in turn
-# with the old default (run183-diag.log, medians, ms at 65536 / 16384 / 4096) 1.216 / 0.3107 / 0.0812 against 1.337 /
-# 0.3339 / 0.0869 (-ml-pk-dd 1.244 / 0.3160 / 0.0850); bench_mhc (run 183) 1.234 / 0.3210 / 0.0880 against run 181's
-# 1.324 / 0.3379 / 0.0975 for the old default. It keeps a 1.97 MB [mid; lo] tile a weight beside the sliced parts.
+# and ss the old default's in the probe; x, pre, post, comb the Triton kernel's at M = 1, 4096, 4097, 65536), timed in
+# turn with the old default (run183-diag.log, medians, ms at 65536 / 16384 / 4096) 1.216 / 0.3107 / 0.0812 against
+# 1.337 / 0.3339 / 0.0869 (-ml-pk-dd 1.244 / 0.3160 / 0.0850); bench_mhc (run 183) 1.234 / 0.3210 / 0.0880 against run
+# 181's 1.324 / 0.3379 / 0.0975 for the old default. It keeps a 1.97 MB [mid; lo] tile a weight beside the sliced parts.
 CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh"] = dict(CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd"], x_hints=True)
 # Not kept (measured in runs 173-174 and 179-181, code not in the tree): the row's x loaded before its partials are
 # polled; the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role); the row
