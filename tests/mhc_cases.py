@@ -15,6 +15,15 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 D = 256 if DEV == "cuda" else 64  # small hidden: tensor-core chunks need hidden/16 % 16 == 0 on a GPU
 FLASH_D = 5120
 GPU_MS = [1, 7, 4096, 4097, 16384, 65536]
+# the TileLang mhc_pre configs its sm_90a build and GPU bit tests cover (``mhc_pre.CONFIGS`` but the mid-streamed ones)
+PRE_CONFIG_NAMES = ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-producer", "wg1-split", "wg1-split-v2",
+                    "wg1-split-v2-xhints", "wg1-split-v2-normwg", "wg1-split-v2-normwg3", "wg1-split-v2-normwg3-ws",
+                    "wg1-split-v2-normwg3-ws-pp", "wg1-split-v2-normwg3-ws-dd", "wg1-split-v2-normwg3-ws-xh",
+                    "wg1-split-v2-normwg3-ws-xr", "wg1-split-v2-normwg3-ws-pk", "wg1-split-v2-normwg3-ws-ml",
+                    "wg1-split-v2-normwg3-ws-ml-pk-dd", "wg1-split-v2-normwg3-ws-ml-pk-dd-xh"]
+# the fused boundary's build options its build and GPU tests take on the default config (which has dots_defer,
+# packed_cvt and ml48: each also off)
+BOUNDARY_OPTS = [{}, {"dots_defer": False}, {"post_tma_store": True}, {"packed_cvt": False}, {"ml48": False}]
 
 
 def chunked(fn, n, step=2048):

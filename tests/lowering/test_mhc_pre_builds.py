@@ -12,18 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from mhc_cases import BOUNDARY_OPTS, PRE_CONFIG_NAMES
 
 FLASH_D = 5120
 ITERS, HC_EPS, NORM_EPS, EPS = 20, 1e-6, 1e-6, 1e-6
 
 
-@pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-producer", "wg1-split",
-                                  "wg1-split-v2", "wg1-split-v2-xhints", "wg1-split-v2-normwg",
-                                  "wg1-split-v2-normwg3", "wg1-split-v2-normwg3-ws",
-                                  "wg1-split-v2-normwg3-ws-pp", "wg1-split-v2-normwg3-ws-dd",
-                                  "wg1-split-v2-normwg3-ws-xh", "wg1-split-v2-normwg3-ws-xr",
-                                  "wg1-split-v2-normwg3-ws-pk", "wg1-split-v2-normwg3-ws-ml",
-                                  "wg1-split-v2-normwg3-ws-ml-pk-dd", "wg1-split-v2-normwg3-ws-ml-pk-dd-xh"])
+@pytest.mark.parametrize("name", PRE_CONFIG_NAMES)
 def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     """The sm_90a build: one wgmma shape (m64n24k16, the 24 mix columns unpadded), rounding spelled out
     (no contraction: nvcc --fmad=false and explicit __f*_rn), the residual loads by TMA with the
@@ -162,9 +157,7 @@ def test_build_options_are_checked():
         tlp.build(FLASH_D, 8, EPS, **dict(tlp.DEFAULT_CONFIG, ml48=True, mid_resident=False))
 
 
-@pytest.mark.parametrize("opts", [{}, {"dots_defer": False}, {"post_tma_store": True}, {"packed_cvt": False},
-                                  {"ml48": False}])
-# (on the default config, which has dots_defer, packed_cvt and ml48: each also off)
+@pytest.mark.parametrize("opts", BOUNDARY_OPTS)
 def test_boundary_build(opts, tmp_path, monkeypatch):
     """``mhc_boundary`` in the persistent kernel (``boundary``): y's chunk comes by TMA with the stage; the vector role
     computes the post with the Triton post kernel's roundings, writes the new residual over the stage and to HBM,

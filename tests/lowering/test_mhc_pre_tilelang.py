@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from mhc_cases import BOUNDARY_OPTS, PRE_CONFIG_NAMES
 
 from dsv41_passes.lowering import registry
 from dsv41_passes.lowering.mhc_weights import bf16x3_slice_parts, build_parts, cache_info, clear_cache, slice_major
@@ -98,13 +99,7 @@ def _skip_without_tilelang():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-producer", "wg1-split",
-                                  "wg1-split-v2", "wg1-split-v2-xhints", "wg1-split-v2-normwg",
-                                  "wg1-split-v2-normwg3", "wg1-split-v2-normwg3-ws",
-                                  "wg1-split-v2-normwg3-ws-pp", "wg1-split-v2-normwg3-ws-dd",
-                                  "wg1-split-v2-normwg3-ws-xh", "wg1-split-v2-normwg3-ws-xr",
-                                  "wg1-split-v2-normwg3-ws-pk", "wg1-split-v2-normwg3-ws-ml",
-                                  "wg1-split-v2-normwg3-ws-ml-pk-dd", "wg1-split-v2-normwg3-ws-ml-pk-dd-xh"])
+@pytest.mark.parametrize("name", PRE_CONFIG_NAMES)
 @pytest.mark.parametrize("m", [1, 4096, 4097, 65536])
 def test_gpu_matches_the_triton_kernel(m, name):
     """x, pre, post and comb against the Triton mhc_pre; bitwise is the goal (same numerics, n24 instead
@@ -158,9 +153,7 @@ def test_gpu_boundary_provider_matches_the_triton_boundary(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("opts", [{}, {"dots_defer": False}, {"post_tma_store": True}, {"packed_cvt": False},
-                                  {"ml48": False}])
-# (on the default config, which has dots_defer, packed_cvt and ml48: each also off)
+@pytest.mark.parametrize("opts", BOUNDARY_OPTS)
 @pytest.mark.parametrize("m", [1, 1536, 4097, 65536])
 def test_gpu_fused_boundary_matches_the_triton_boundary(m, opts):
     """``mhc_pre.mhc_boundary`` (the post inside the persistent kernel) gives the Triton boundary's bits: the new
