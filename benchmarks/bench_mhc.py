@@ -153,14 +153,15 @@ def variants(unit: str, t: dict[str, torch.Tensor], compiled: dict[str, Callable
                 new = tk.mhc_post(y, h, po, co, **kw)
                 return (new, *tlp.mhc_pre(new, pp, sliced, sc, ba, w, ITERS, HC_EPS, NORM_EPS, EPS))
 
-            out[f"triton post + tilelang mhc_pre (the op's from M {tilelang_min_m()})"] = post_then_tilelang_pre
+            split_span, fused_span = boundary_spans()
+            out[f"triton post + tilelang mhc_pre (the op's {split_span})"] = post_then_tilelang_pre
 
-            def fused(opts):  # the post inside the persistent kernel (the op's with DSV41_MHC_BOUNDARY_FUSED)
+            def fused(opts):  # the post inside the persistent kernel (the op's where ``fused_boundary_at``)
                 cfg = dict(tlp.DEFAULT_CONFIG, **opts)
                 return lambda: tlp.mhc_boundary(y, h, po, co, pp, sliced, sc, ba, w, ITERS, HC_EPS, NORM_EPS, EPS,
                                                 config=cfg)
 
-            out["tilelang (fused boundary, one persistent kernel)"] = fused({})
+            out[f"tilelang (fused boundary, one persistent kernel; the op's {fused_span})"] = fused({})
             out["tilelang (fused boundary, new residual stored by TMA)"] = fused({"post_tma_store": True})
         if tkm is not None:
             def tk_boundary():
@@ -169,6 +170,18 @@ def variants(unit: str, t: dict[str, torch.Tensor], compiled: dict[str, Callable
 
             out["tilekernels (post + cuBLAS + big_fuse, no norm)"] = tk_boundary
     return out
+
+
+def boundary_spans():
+    """Where the op's TileLang boundary runs the Triton post + TileLang mhc_pre, and where the fused kernel (labels)."""
+    from dsv41_passes.lowering import mhc as ops
+
+    lo, hi = ops.TILELANG_PRE_MIN_M, ops.FUSED_BOUNDARY_MAX_M
+    if ops.FUSED_BOUNDARY is None or (hi is not None and hi < lo):
+        return f"from M {lo}", "with DSV41_MHC_BOUNDARY_FUSED=on"
+    if hi is None:
+        return "with DSV41_MHC_BOUNDARY_FUSED=off", f"from M {lo}"
+    return f"above M {hi}", f"M {lo} to {hi}"
 
 
 def tilelang_min_m():

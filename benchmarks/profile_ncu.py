@@ -44,6 +44,9 @@ def launches(m: int) -> dict:
     sliced = slice_major(t["parts"], 5120, 24)
     return {
         "mhc_pre_tilelang": lambda: tlp.partials(t["h"], t["pre_prev"], sliced, t["w"], 1e-6),
+        # the post inside the persistent kernel, then the finish (two kernels in the range)
+        "mhc_boundary_tilelang": lambda: tlp.mhc_boundary(t["y"], t["h"], t["post"], t["comb"], t["pre_prev"], sliced,
+                                                          t["scale"], t["base"], t["w"], 20, 1e-6, 1e-6, 1e-6),
         "mhc_pre_tilelang_rings2": lambda: tlp.partials(t["h"], t["pre_prev"], sliced, t["w"], 1e-6,
                                                         config=tlp.CONFIGS["wg1x2-producer"]),
         "mhc_pre": lambda: tm.mhc_pre(t["h"], t["pre_prev"], t["parts"], t["scale"], t["base"], t["w"], 20, 1e-6,

@@ -383,9 +383,19 @@ def fused_boundary_options(value: str) -> dict | None:
 
 
 # The post inside the persistent kernel (``tilelang.mhc_pre.mhc_boundary``: the new residual written once, never read
-# back), where this provider runs and y is contiguous; None: the Triton post, then the TileLang mhc_pre. Off until it is
-# timed on the GPU: it was written without one (twenty-second session). DSV41_MHC_BOUNDARY_FUSED sets it.
-FUSED_BOUNDARY: dict | None = fused_boundary_options(os.environ.get("DSV41_MHC_BOUNDARY_FUSED", "off"))
+# back), where this provider runs, y is contiguous and M <= FUSED_BOUNDARY_MAX_M; else the Triton post, then the
+# TileLang mhc_pre. The same bits either way (GPU tests, runs 182-184). bench_mhc, ms fused / post + pre: 0.0758 /
+# 0.0787 at M = 1536, 0.0961 / 0.1000 at 2048, 0.3362 / 0.3508 at 8192, 1.316 / 1.357 at 32768 (run 184); 0.1746 /
+# 0.1832 at 4096, 0.6628 / 0.6877 at 16384, 2.815 / 2.703 at 65536 (run 183). DSV41_MHC_BOUNDARY_FUSED sets the
+# switch ("off", "on", or a JSON object of build options), DSV41_MHC_BOUNDARY_FUSED_MAX_M the bound ("none": every M).
+FUSED_BOUNDARY: dict | None = fused_boundary_options(os.environ.get("DSV41_MHC_BOUNDARY_FUSED", "on"))
+_ENV_FUSED_MAX_M = os.environ.get("DSV41_MHC_BOUNDARY_FUSED_MAX_M", "32768")
+FUSED_BOUNDARY_MAX_M: int | None = None if _ENV_FUSED_MAX_M.lower() in ("none", "") else int(_ENV_FUSED_MAX_M)
+
+
+def fused_boundary_at(m: int) -> bool:
+    """Whether the TileLang boundary runs the fused kernel at M = m (where the provider runs and y is contiguous)."""
+    return FUSED_BOUNDARY is not None and (FUSED_BOUNDARY_MAX_M is None or m <= FUSED_BOUNDARY_MAX_M)
 
 
 @register_provider("mhc_boundary", "tilelang", _tilelang_boundary_ok, wants_mode=True)
@@ -393,7 +403,7 @@ def _tilelang_boundary(y, res, post, comb, pre_prev, fn, scale, base, weight, it
                        batch_invariant, mode):
     from .triton import mhc as tk
 
-    if FUSED_BOUNDARY is not None and y.is_contiguous():
+    if fused_boundary_at(res.shape[0]) and y.is_contiguous():
         from .mhc_weights import bf16x3_slice_parts
         from .registry import static_weights
         from .tilelang import mhc_pre as tlp

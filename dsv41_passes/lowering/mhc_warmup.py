@@ -13,7 +13,7 @@ def tunables(config, device=None) -> list:
     """``tuning.Tunable`` entries of the Triton mHC kernels at ``config``'s shapes (hc_mult 4, bf16), and, where
     TileLang runs and takes the shape, the persistent TileLang ``mhc_pre`` (op name ``mhc_pre.tilelang``): one binary
     for every M, built at the first bucket from ``TILELANG_PRE_MIN_M`` (the ops' and the boundary's from there), its
-    config the op's default (nothing to tune); with ``FUSED_BOUNDARY`` set, the fused boundary's own build too
+    config the op's default (nothing to tune); where the fused boundary runs (``fused_boundary_at``), its own build too
     (``mhc_boundary.tilelang``)."""
     from ..tuning import Tunable
     from .mhc_weights import build_parts
@@ -88,9 +88,9 @@ def tunables(config, device=None) -> list:
 
             cfg = tlp.DEFAULT_CONFIG
             out.append(Tunable("mhc_pre.tilelang", key, tl_pre_inputs, run_tl_pre, [cfg], cfg, lambda m: cfg))
-            if ops.FUSED_BOUNDARY is not None:  # the boundary's own build (the post inside the kernel)
+            if ops.fused_boundary_at(ops.TILELANG_PRE_MIN_M):  # the boundary's own build (the post inside the kernel)
                 def tl_boundary_inputs(m, dev):
-                    if m < ops.TILELANG_PRE_MIN_M:
+                    if m < ops.TILELANG_PRE_MIN_M or not ops.fused_boundary_at(m):
                         return None
                     r, *rest = tl_pre_inputs(m, dev)  # the pre's residual is the post's old one
                     return (torch.randn(m, d, device=dev).to(torch.bfloat16), r, *small(m, dev), *rest)

@@ -177,11 +177,12 @@ def test_gpu_fused_boundary_matches_the_triton_boundary(m, opts):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("opts", [{}, {"post_tma_store": True}])
+@pytest.mark.parametrize("opts", [None, {}, {"post_tma_store": True}])
 @pytest.mark.parametrize("m", [1536, 4097])
 def test_gpu_fused_boundary_provider_matches_the_triton_boundary(m, opts, monkeypatch):
     """With ``FUSED_BOUNDARY`` set (DSV41_MHC_BOUNDARY_FUSED) the op's TileLang boundary runs the post inside the
-    persistent kernel, with the Triton boundary's bits, and builds that kernel once for every M."""
+    persistent kernel, with the Triton boundary's bits, and builds that kernel once for every M; off (None), the
+    Triton post then the TileLang mhc_pre, with the same bits."""
     _skip_without_tilelang()
     from dsv41_passes.lowering import mhc as ops
     from dsv41_passes.lowering.tilelang import mhc_pre as tlp
@@ -191,6 +192,7 @@ def test_gpu_fused_boundary_provider_matches_the_triton_boundary(m, opts, monkey
     if ops.TILELANG_PRE_MIN_M is None or m < ops.TILELANG_PRE_MIN_M:
         pytest.skip(f"the TileLang provider starts at {ops.TILELANG_PRE_MIN_M}")
     monkeypatch.setattr(ops, "FUSED_BOUNDARY", opts)
+    monkeypatch.setattr(ops, "FUSED_BOUNDARY_MAX_M", None)
     mode = registry.encode_mode(False)
     built = []
     for mm in (m, m + 1):
@@ -202,9 +204,12 @@ def test_gpu_fused_boundary_provider_matches_the_triton_boundary(m, opts, monkey
         for what, a, b in zip(("new residual", "x", "pre", "post", "comb"), got, ref):
             assert torch.equal(a, b), f"M {mm} {what}: {(a != b).sum().item()} of {a.numel()} differ"
         built.append(set(tlp._KERNELS))
-    opts_key = dict(tlp.DEFAULT_CONFIG, boundary=True, **opts)
-    opts_key.setdefault("lag", tlp.LAG)
-    assert any(k[3] == tuple(sorted(opts_key.items())) for k in built[0])  # the fused kernel ran
+    if opts is None:
+        assert not any(dict(k[3]).get("boundary") for k in built[0])  # no fused kernel
+    else:
+        opts_key = dict(tlp.DEFAULT_CONFIG, boundary=True, **opts)
+        opts_key.setdefault("lag", tlp.LAG)
+        assert any(k[3] == tuple(sorted(opts_key.items())) for k in built[0])  # the fused kernel ran
     assert built[1] == built[0]  # and the next M built nothing
 
 
@@ -248,7 +253,7 @@ def test_gpu_warmup_builds_the_tilelang_kernel():
 @pytest.mark.gpu
 def test_gpu_warmup_builds_the_fused_boundary_where_it_is_on(monkeypatch):
     """With ``FUSED_BOUNDARY`` set the warm-up lists the fused boundary's build and makes it at the threshold (none
-    below); off, it lists none."""
+    below, none above ``FUSED_BOUNDARY_MAX_M``); off, or with the bound below the threshold, it lists none."""
     _skip_without_tilelang()
     from dsv41_passes.lowering import mhc as ops
     from dsv41_passes.lowering.tilelang import mhc_pre as tlp
@@ -260,10 +265,14 @@ def test_gpu_warmup_builds_the_fused_boundary_where_it_is_on(monkeypatch):
     monkeypatch.setattr(ops, "FUSED_BOUNDARY", None)
     assert "mhc_boundary.tilelang" not in {t.op for t in ops.tunables(cfg, "cuda")}
     monkeypatch.setattr(ops, "FUSED_BOUNDARY", {"post_tma_store": True})
+    monkeypatch.setattr(ops, "FUSED_BOUNDARY_MAX_M", ops.TILELANG_PRE_MIN_M - 1)
+    assert "mhc_boundary.tilelang" not in {t.op for t in ops.tunables(cfg, "cuda")}
+    monkeypatch.setattr(ops, "FUSED_BOUNDARY_MAX_M", ops.TILELANG_PRE_MIN_M)
     (t,) = [t for t in ops.tunables(cfg, "cuda") if t.op == "mhc_boundary.tilelang"]
     assert t.default == dict(tlp.DEFAULT_CONFIG, post_tma_store=True)
     tlp._KERNELS.clear()
     assert t.run(t.make_inputs(ops.TILELANG_PRE_MIN_M - 1, "cuda"), t.default) is None and not tlp._KERNELS
+    assert t.run(t.make_inputs(ops.TILELANG_PRE_MIN_M + 1, "cuda"), t.default) is None and not tlp._KERNELS
     t.run(t.make_inputs(ops.TILELANG_PRE_MIN_M, "cuda"), t.default)
     assert [dict(k[3]).get("boundary") for k in tlp._KERNELS] == [True]
 
@@ -402,9 +411,10 @@ def test_provider_check_puts_no_guard_on_m(monkeypatch):
 
 
 def test_fused_boundary_switch(monkeypatch):
-    """DSV41_MHC_BOUNDARY_FUSED: off by default; "on" or a JSON object of build options sends the TileLang boundary
-    through ``mhc_pre.mhc_boundary`` with the mhc_pre default config plus those options (the kernel mocked here); a
-    y that is not contiguous keeps the Triton post + TileLang mhc_pre; a bad value is a clear error."""
+    """DSV41_MHC_BOUNDARY_FUSED: on by default up to M = 32768 (DSV41_MHC_BOUNDARY_FUSED_MAX_M); "on" or a JSON
+    object of build options sends the TileLang boundary through ``mhc_pre.mhc_boundary`` with the mhc_pre default config
+    plus those options (the kernel mocked here); a y that is not contiguous, or an M above the bound, keeps the Triton
+    post + TileLang mhc_pre; a bad value is a clear error."""
     import os
     import sys
 
@@ -418,11 +428,14 @@ def test_fused_boundary_switch(monkeypatch):
     for bad in ("yes", "[1]"):
         with pytest.raises(ValueError, match="DSV41_MHC_BOUNDARY_FUSED"):
             ops.fused_boundary_options(bad)
-    code = "from dsv41_passes.lowering import mhc as o; print(o.FUSED_BOUNDARY)"
+    code = "from dsv41_passes.lowering import mhc as o; print(o.FUSED_BOUNDARY, o.FUSED_BOUNDARY_MAX_M)"
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     env.pop("DSV41_MHC_BOUNDARY_FUSED", None)
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout.split() == [
-        "None"]
+    env.pop("DSV41_MHC_BOUNDARY_FUSED_MAX_M", None)
+    run = subprocess.run
+    assert run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout.split() == ["{}", "32768"]
+    env.update(DSV41_MHC_BOUNDARY_FUSED="off", DSV41_MHC_BOUNDARY_FUSED_MAX_M="none")
+    assert run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout.split() == ["None", "None"]
 
     calls = []
     monkeypatch.setattr(tlp, "mhc_boundary", lambda *a, config: calls.append(("fused", config)) or ("fused",))
@@ -435,6 +448,7 @@ def test_fused_boundary_switch(monkeypatch):
             torch.randn(24, 4 * d, generator=g), torch.ones(3), torch.zeros(24), torch.ones(d), ITERS, HC_EPS,
             NORM_EPS, EPS]
     mode = registry.encode_mode(False)
+    monkeypatch.setattr(ops, "FUSED_BOUNDARY_MAX_M", None)
     monkeypatch.setattr(ops, "FUSED_BOUNDARY", None)
     assert ops._tilelang_boundary(*args, batch_invariant=False, mode=mode)[1:] == ("x", "pre", "post", "comb")
     assert calls == [("post",), ("pre",)]
@@ -443,6 +457,12 @@ def test_fused_boundary_switch(monkeypatch):
     assert ops._tilelang_boundary(*args, batch_invariant=False, mode=mode) == ("fused",)
     assert calls == [("fused", dict(tlp.DEFAULT_CONFIG, post_tma_store=True))]
     calls.clear()
+    for bound, fused in ((m, True), (m - 1, False)):  # the bound is inclusive
+        monkeypatch.setattr(ops, "FUSED_BOUNDARY_MAX_M", bound)
+        ops._tilelang_boundary(*args, batch_invariant=False, mode=mode)
+        assert calls == ([("fused", dict(tlp.DEFAULT_CONFIG, post_tma_store=True))] if fused else [("post",), ("pre",)])
+        calls.clear()
+    monkeypatch.setattr(ops, "FUSED_BOUNDARY_MAX_M", None)
     strided = torch.randn(m, 2 * d, generator=g).bfloat16()[:, :d]
     ops._tilelang_boundary(strided, *args[1:], batch_invariant=False, mode=mode)
     assert calls == [("post",), ("pre",)]

@@ -266,8 +266,8 @@ def mhc_boundary(y, res, post, comb, pre_prev, sliced, scale, base, weight, iter
                  config: dict | None = None):
     """``(new_res, x, pre, post, comb)`` of ``mhc_boundary`` in one persistent kernel (``boundary``: the post computed
     from the stage's old residual and y, written to HBM once and over the stage for the projection), then the Triton
-    finish kernel; the bits of the Triton post kernel followed by ``mhc_pre``. Not a provider's default yet: written
-    without a GPU in the twenty-second session."""
+    finish kernel; the bits of the Triton post kernel followed by ``mhc_pre``. The ``mhc_boundary`` op's TileLang
+    provider runs it up to ``lowering.mhc.FUSED_BOUNDARY_MAX_M`` (faster there, slower at 65536: bench runs 183-184)."""
     _check("mhc_boundary", res, sliced, weight)
     m, n, d = res.shape
     for name, t, shape, dtype in (("y", y, (m, d), res.dtype), ("post", post, (m, n), torch.float32),
