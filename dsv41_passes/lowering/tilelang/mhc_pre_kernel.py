@@ -212,8 +212,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     both; the hi part streams with the stage in lo's place (``mhc_pre_macros.chain_dots``).
     ``diag`` (probe builds only, ``benchmarks/probe_mhc_pre_diag.py``; comma-separated): "timers" has the first thread
     of each role (producer, normalizing warps, dots, vector) count clock64 cycles waiting on its barriers and in all,
-    written over xss at the end (in the partial layout); "nonorm", "novec", "nodots" and "noxstore" drop that work
-    (wrong results by design).
+    written over xss at the end (in the partial layout); "nonorm", "novec", "nodots" and "noxstore" drop that work,
+    "nowstream" the streamed weight part's copies (wrong results by design).
 
     Arguments: ``h [M, 4d]`` bf16, ``hi/mid/lo [16, 4, 24, d/16]`` bf16 (slice-major parts), ``pre_prev
     [M, 4]`` f32, ``w [d]`` f32 -> ``x [M, d]`` bf16 (normalized), ``ws [nrb*16*64, 24]``, ``ss``,
@@ -237,8 +237,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     if norm_warps not in (2, 3):
         raise ValueError(f"TileLang mhc_pre: the norm runs on warps 2-3 or 1-3 of the producer, got {norm_warps} warps")
     flags = set(diag.split(",")) - {""}
-    if flags - {"timers", "nonorm", "novec", "nodots", "noxstore"}:
-        raise ValueError(f"TileLang mhc_pre: diag {diag!r}: not among timers, nonorm, novec, nodots, noxstore")
+    if flags - {"timers", "nonorm", "novec", "nodots", "noxstore", "nowstream"}:
+        raise ValueError(f"TileLang mhc_pre: diag {diag!r}: not among timers, nonorm, novec, nodots, noxstore, "
+                         "nowstream")
     if dots_defer and not split_roles:
         raise ValueError("TileLang mhc_pre: dots_defer needs split roles")
     if post_tma_store and not boundary:

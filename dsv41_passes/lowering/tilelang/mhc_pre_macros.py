@@ -345,10 +345,11 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                    eviction_policy="evict_first", leader_scope_threads=lead)
         T.tma_copy(h[rq:rq + bm, 3 * d + colq:3 * d + colq + bk], a3[st, :, :], barrier=full[st],
                    eviction_policy="evict_first", leader_scope_threads=lead)
-        T.tma_copy(wlo[s, 0, :, cq * bk:(cq + 1) * bk], lo0[st, :, :], barrier=full[st], leader_scope_threads=lead)
-        T.tma_copy(wlo[s, 1, :, cq * bk:(cq + 1) * bk], lo1[st, :, :], barrier=full[st], leader_scope_threads=lead)
-        T.tma_copy(wlo[s, 2, :, cq * bk:(cq + 1) * bk], lo2[st, :, :], barrier=full[st], leader_scope_threads=lead)
-        T.tma_copy(wlo[s, 3, :, cq * bk:(cq + 1) * bk], lo3[st, :, :], barrier=full[st], leader_scope_threads=lead)
+        if "nowstream" not in flags:  # (diag: the streamed weight part left out, its L2 reads with it)
+            T.tma_copy(wlo[s, 0, :, cq * bk:(cq + 1) * bk], lo0[st, :, :], barrier=full[st], leader_scope_threads=lead)
+            T.tma_copy(wlo[s, 1, :, cq * bk:(cq + 1) * bk], lo1[st, :, :], barrier=full[st], leader_scope_threads=lead)
+            T.tma_copy(wlo[s, 2, :, cq * bk:(cq + 1) * bk], lo2[st, :, :], barrier=full[st], leader_scope_threads=lead)
+            T.tma_copy(wlo[s, 3, :, cq * bk:(cq + 1) * bk], lo3[st, :, :], barrier=full[st], leader_scope_threads=lead)
         if not mid_resident:
             T.tma_copy(wmid[s, :, :, cq * bk:(cq + 1) * bk], mds[st, :, :, :], barrier=full[st],
                        leader_scope_threads=lead)
