@@ -6,7 +6,8 @@ Triton post then the TileLang ``mhc_pre`` (the provider's path) and the post ins
 (``mhc_pre.mhc_boundary``, with the default config and ``--tilelang-configs NAME,...``). Each variant's five outputs
 are compared bitwise with ``post_pre``'s, then timed as a CUDA-graph replay with the device time of each kernel.
 
-    source .devsite/setup.sh && python3 benchmarks/probe_mhc_boundary.py [--no-fused] [--tilelang] [M ...]
+    source .devsite/setup.sh && python3 benchmarks/probe_mhc_boundary.py [--no-fused] [--no-post-collapse] \
+        [--tilelang [--tilelang-configs NAME,...]] [M ...]
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def variants(m: int) -> dict[str, dict]:
 
     pre, stats = untuned_config("mhc_pre", m, D, False), untuned_config("mhc_stats", m, D, False)
     out = {"post_pre": dict(pre, form="post_pre")}
-    for r, c, w in POST_COLLAPSE:
+    for r, c, w in POST_COLLAPSE if "--no-post-collapse" not in sys.argv else ():
         out[f"post_collapse {r}x{c} w{w}"] = dict(stats, form="post_collapse", post_rows=r, post_cols=c, post_warps=w)
     if "--no-fused" not in sys.argv and m <= 4096:
         out["fused"] = dict(pre, form="fused")

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from ..mhc_weights import NUM_SLICES, derived, slice_geometry
-from .mhc_pre_kernel import BM, HALF, HC, LAG, NMIX, SENTINEL, build, compile_kernel
+from .mhc_pre_kernel import BM, HALF, HC, HELD_REGS, LAG, NMIX, SENTINEL, build, compile_kernel
 
-__all__ = ["BM", "CONFIGS", "HALF", "HC", "LAG", "NMIX", "SENTINEL", "UNMEASURED", "build", "compile_kernel",
+__all__ = ["BM", "CONFIGS", "HALF", "HC", "HELD_REGS", "LAG", "NMIX", "SENTINEL", "UNMEASURED", "build", "compile_kernel",
            "groups_for", "mhc_boundary", "mhc_pre", "partials", "unsupported"]
 
 _LOCK = threading.Lock()
@@ -157,6 +157,14 @@ CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd"] = dict(CONFIGS["wg1-split-v2-normwg3
 # 1.337 / 0.3339 / 0.0869 (-ml-pk-dd 1.244 / 0.3160 / 0.0850); bench_mhc (run 183) 1.234 / 0.3210 / 0.0880 against run
 # 181's 1.324 / 0.3379 / 0.0975 for the old default. It keeps a 1.97 MB [mid; lo] tile a weight beside the sliced parts.
 CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh"] = dict(CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd"], x_hints=True)
+# The collapse held in registers (``held_norm``, ``mhc_pre_heldnorm``): no normalizing warps, no round trip of the
+# un-normalized collapse through the L2 (22% of the SMs' L2 sectors at M = 65536, run 184); the previous block's rsqrt
+# read at step 0, 1 or 2 (``-hn1``, ``-hn2``, ``-hn3``) of the next. Written in the twenty-fourth session.
+_HELD = {k: v for k, v in CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh"].items()
+         if k not in ("norm_wg", "norm_warps", "norm_w_smem")}
+CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn1"] = dict(_HELD, held_norm=1)
+CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn2"] = dict(_HELD, held_norm=2)  # (the boundary's: with k = 2 its build spills)
+CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3"] = dict(_HELD, held_norm=3)
 # Not kept (measured in runs 173-174 and 179-181, code not in the tree): the row's x loaded before its partials are
 # polled; the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role); the row
 # block's pre weights brought by TMA with its first stage; one stage-barrier arrival a warp instead of a thread;
@@ -165,8 +173,9 @@ CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh"] = dict(CONFIGS["wg1-split-v2-norm
 # (``dots_rs``, twenty-first session): at 128 registers a thread ptxas serializes every wgmma of it (C7512).
 # Configs written and built for sm_90a but never run on a GPU: no bits or time measured yet
 # (``benchmarks/probe_mhc_pre_diag.py --unmeasured`` times them against the default; ``run_gpu.sh mhc_unmeasured``).
-# Runs 182-183 measured all of them.
-UNMEASURED: tuple[str, ...] = ()
+# Runs 182-183 measured all of them before these.
+UNMEASURED: tuple[str, ...] = ("wg1-split-v2-ml-pk-dd-xh-hn1", "wg1-split-v2-ml-pk-dd-xh-hn2",
+                                "wg1-split-v2-ml-pk-dd-xh-hn3")
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
 _ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-normwg3-ws-ml-pk-dd-xh")
 if _ENV_CONFIG not in CONFIGS:

@@ -89,6 +89,9 @@ PASS_CONFIGS = {"tl.device_compile_flags": ["--fmad=false"], "tl.disable_warp_sp
 # with a producer warpgroup the syncs are written out too (TileLang's own would sync the CTA, producer included)
 PRODUCER_PASS_CONFIGS = dict(PASS_CONFIGS, **{"tl.disable_thread_storage_sync": True})
 DEFAULT_STAGES = 4
+# ``held_norm``: setmaxnreg of the producer warpgroup, the dots' and the vector role's two (128 * 56 + 128 * 120 +
+# 256 * 168 = 65536; ptxas ignores them all when the producer's falls below what its code needs: 40 did)
+HELD_REGS = (56, 104, 176)
 LAG = 2  # a row block is normalized while its CTA computes the one this many row blocks later
 SENTINEL = -1.0  # xss before publication (a sum of squares is >= 0 or NaN, never -1)
 # 16-byte global stores with an L2 eviction policy (``x_hints``)
@@ -179,7 +182,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
           vec_wgs: int = 1, x_hints: bool = False, norm_wg: bool = False, norm_warps: int = 2,
           norm_w_smem: bool = False, diag: str = "", norm_prepoll: bool = False, dots_defer: bool = False,
           xss_by_row: bool = False, boundary: bool = False, post_tma_store: bool = False, packed_cvt: bool = False,
-          ml48: bool = False):
+          ml48: bool = False, held_norm: int = 0):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
@@ -202,14 +205,17 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     the normalizing warps load a pass's partials a pass ahead (``normalize_blocks``); ``dots_defer`` (split roles):
     the dots' warpgroup issues a step's four hi dots first and leaves its last chains in flight into the next step
     (``dots_deferred``); ``xss_by_row``: the norm partials laid out with a row's 16 side by side, so a poll is four
-    16-byte loads, not 16 of 4 bytes; ``boundary`` (with the normalizing warps): ``mhc_boundary``, the post computed
+    16-byte loads, not 16 of 4 bytes; ``boundary`` (with the normalizing warps or ``held_norm``): ``mhc_boundary``, the post computed
     by the vector role from the stage's old residual and y (``mhc_pre_macros.post_chunk``) and written over the stage
     before the dots read it (barrier ``ready``); ``post_tma_store``: the new residual stored from the stage by TMA;
     ``packed_cvt``: the vector role's and the normalizing warps' bf16 <-> f32 conversions by bit operations, two
     roundings an instruction (``PACKED_CVT_SOURCE``; the same values); ``ml48`` (split roles, the mid part resident):
     the mid and lo parts resident side by side as one [48, DS] tile a stream (``wmid`` is then ``[16, 4, 48, d/16]``,
     mid rows first) and their two chains one ``wgmma m64n48k16`` a step and stream, which reads the A tile once for
-    both; the hi part streams with the stage in lo's place (``mhc_pre_macros.chain_dots``).
+    both; the hi part streams with the stage in lo's place (``mhc_pre_macros.chain_dots``); ``held_norm`` k + 1 (split
+    roles, two vector warpgroups, ``packed_cvt``, no normalizing warps): the vector role keeps its rows' collapse of a
+    block in registers and normalizes it during the next block, reading its rsqrt at step k (``mhc_pre_heldnorm``;
+    registers by ``setmaxnreg``: ``HELD_REGS``).
     ``diag`` (probe builds only, ``benchmarks/probe_mhc_pre_diag.py``; comma-separated): "timers" has the first thread
     of each role (producer, normalizing warps, dots, vector) count clock64 cycles waiting on its barriers and in all,
     written over xss at the end (in the partial layout); "nonorm", "novec", "nodots" and "noxstore" drop that work,
@@ -244,11 +250,15 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         raise ValueError("TileLang mhc_pre: dots_defer needs split roles")
     if post_tma_store and not boundary:
         raise ValueError("TileLang mhc_pre: post_tma_store is for the boundary")
-    if boundary and not (norm_wg and mid_resident) or boundary and "novec" in diag:
-        raise ValueError("TileLang mhc_pre: the boundary (post fused) needs the normalizing warps, the mid part "
-                         "resident and the vector role")
+    if boundary and not ((norm_wg or held_norm) and mid_resident) or boundary and "novec" in diag:
+        raise ValueError("TileLang mhc_pre: the boundary (post fused) needs the normalizing warps (or held_norm), the "
+                         "mid part resident and the vector role")
     if ml48 and not (split_roles and mid_resident):
         raise ValueError("TileLang mhc_pre: ml48 needs split roles and the mid part resident")
+    if held_norm and not (split_roles and vec_wgs == 2 and packed_cvt and not norm_wg
+                          and 1 <= held_norm <= d // NUM_SLICES // 32):
+        raise ValueError("TileLang mhc_pre: held_norm (1 to the chunks a slice) needs split roles, two vector "
+                         "warpgroups and packed_cvt, without the normalizing warps")
     if (norm_w_smem or norm_prepoll) and not norm_wg:
         raise ValueError("TileLang mhc_pre: norm_w_smem and norm_prepoll are for the normalizing warps (norm_wg)")
     nt = 32 * norm_warps  # the normalizing threads (``norm_wg``): the producer warpgroup's last ones
@@ -278,7 +288,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         rings=rings, nrun=nrun, vals=vals, run_col=run_col, x_hints=x_hints, mid_resident=mid_resident, lead=lead,
         nt=nt, nring=nring, flags=flags, norm_w_smem=norm_w_smem, norm_prepoll=norm_prepoll, nmix=NMIX, stages=stages,
         xss_by_row=xss_by_row, HC=HC, lag=lag, tpr=tpr, boundary=boundary, dots_defer=dots_defer, norm_wg=norm_wg,
-        producer=producer, post_tma_store=post_tma_store, packed_cvt=packed_cvt, ml48=ml48)
+        producer=producer, post_tma_store=post_tma_store, packed_cvt=packed_cvt, ml48=ml48, held_norm=held_norm)
     mc = kernel_macros(T, geo)
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
     issue, resident, normalize_blocks = mc.issue, mc.resident, mc.normalize_blocks
@@ -366,6 +376,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
             xn = T.alloc_local((vals,), bf16)
             wv = T.alloc_local((vals,), f32)
             xf = T.alloc_local((vals,), f32)  # ``packed_cvt``: the collapse before its rounding
+            if held_norm:  # a block's collapse held for its normalization, chunks waiting for the rsqrt, weights
+                held = (T.alloc_local((nc * vals,), bf16), T.alloc_local((max(held_norm - 1, 1) * vals,), bf16),
+                        T.alloc_local((vals,), f32))
             w_s = T.alloc_shared((ds,), f32)  # this slice's norm weights
             pv = T.alloc_local((S,), f32)
             red = T.alloc_local((2,), f32)
@@ -380,6 +393,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                 if tx < 128:
                     if split_regs:
                         T.set_max_nreg(PRODUCER_REGS, 0)
+                    if held_norm:
+                        T.set_max_nreg(HELD_REGS[0], 0)
                     if tx < 32:
                         resident(whi, wmid, s, hi0, hi1, hi2, hi3, md0, md1, md2, md3, wbar)
                     if tx < 32 * rings:  # warp ``ring`` fills that ring
@@ -418,11 +433,15 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                     xdone=xdone if norm_wg else None, xfree=xfree if norm_wg else None,
                     regs=(sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red, prn, xf), tm=tm, tc=tc,
                     ready=ready if boundary else None, ys=ys if boundary else None, post=io_post,
-                    post_regs=post_regs if boundary else None)
+                    post_regs=post_regs if boundary else None, held=held if held_norm else None)
                 if split_roles:  # warpgroup 1 issues the dots, warpgroup 2 (and 3) does the rest
                     if tx < 256:
+                        if held_norm:
+                            T.set_max_nreg(HELD_REGS[1], 0)
                         consumer(0, "mma")(nloc, frags[0], tx - 128, b)
                     if tx >= 256:
+                        if held_norm:
+                            T.set_max_nreg(HELD_REGS[2], 1)
                         consumer(0, "vec")(nloc, frags[0], tx - 256, b)
                 elif rings == 1:
                     consumer(0)(nloc, frags[0], tx - 128 if producer else tx, b)

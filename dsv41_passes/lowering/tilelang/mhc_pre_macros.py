@@ -65,6 +65,13 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
         """bf16(w * (x * rstd)) of one un-normalized bf16 value (the norm's rounding, wherever it runs)."""
         return T.cast(T.ieee_mul(w, T.ieee_mul(T.cast(xv, f32), rstd)), bf16)
 
+    def collapsed(pr, hv0, hv1, hv2, hv3, v):
+        """The collapse of value v in f32, ``((p0 h0 + p1 h1) + p2 h2) + p3 h3``, each product and sum rounded."""
+        return T.ieee_add(
+            T.ieee_add(T.ieee_add(T.ieee_mul(pr[0], hv0[v]), T.ieee_mul(pr[1], hv1[v])), T.ieee_mul(pr[2], hv2[v])),
+            T.ieee_mul(pr[3], hv3[v]),
+        )
+
     def cvt_in(dst, src):
         """``packed_cvt``: the 8 f32 values at ``dst`` <- the 8 bf16 at ``src`` (addresses; by bit operations)."""
         return T.call_extern("handle", "dsv41_bf16x8_to_f32", dst, src)
@@ -178,6 +185,40 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
         else:
             for i, n in T.Parallel(bm, nmix):
                 ws[pslot(rb, i, s), n] = T.ieee_add(T.ieee_add(acc_hi[i, n], acc_mid[i, n]), acc_lo[i, n])
+
+    @T.macro
+    def publish_sums(ss, xss, rb, r, s, hf, sq, xq, red):
+        """The vector role at a row block's last step: this thread's sums of squares (of the residual, sq, and of the
+        collapse, xq) reduced over the row's threads and published by its first one, ss then xss (the rows'
+        normalization, in every CTA of the group, waits for xss)."""
+        # xss last: the normalization of this row block (one CTA each slice) waits for it
+        # pairwise tree over the 32 chunk positions: within each run of 8 here (levels 1-3),
+        # then (run0 + partner's run0) + (run1 + partner's run1) (levels 4-5)
+        for lvl in T.unroll(3):
+            for u in T.unroll(nrun):
+                for v in T.unroll(4):
+                    if v < (4 >> lvl):
+                        sq[u * 8 + v] = T.ieee_add(sq[u * 8 + 2 * v], sq[u * 8 + 2 * v + 1])
+                        xq[u * 8 + v] = T.ieee_add(xq[u * 8 + 2 * v], xq[u * 8 + 2 * v + 1])
+        if nrun == 2:
+            red[0] = T.shfl_xor(sq[0], 1)
+            red[1] = T.shfl_xor(sq[8], 1)
+            sq[0] = T.ieee_add(T.ieee_add(sq[0], red[0]), T.ieee_add(sq[8], red[1]))
+            red[0] = T.shfl_xor(xq[0], 1)
+            red[1] = T.shfl_xor(xq[8], 1)
+            xq[0] = T.ieee_add(T.ieee_add(xq[0], red[0]), T.ieee_add(xq[8], red[1]))
+        else:  # runs 8p: (run 0 + run 8) + (run 16 + run 24), lanes 4r + p
+            red[0] = T.shfl_xor(sq[0], 1)
+            red[1] = T.shfl_xor(xq[0], 1)
+            sq[0] = T.ieee_add(sq[0], red[0])
+            xq[0] = T.ieee_add(xq[0], red[1])
+            red[0] = T.shfl_xor(sq[0], 2)
+            red[1] = T.shfl_xor(xq[0], 2)
+            sq[0] = T.ieee_add(sq[0], red[0])
+            xq[0] = T.ieee_add(xq[0], red[1])
+        if hf == 0:
+            ss[pslot(rb, r, s)] = sq[0]
+            T.atomic_store(xss[xslot(rb, r, s)], xq[0], memory_order="relaxed")
 
     @T.macro
     def dots_deferred(nloc, fr, lt, b):
@@ -434,5 +475,5 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                            load_stream=load_stream, issue=issue, resident=resident, normalize_blocks=normalize_blocks,
                            timed_wait=timed_wait, publish=publish, dots_deferred=dots_deferred,
                            post_weights=post_weights, post_chunk=post_chunk, post_global=post_global,
-                           post_store=post_store,
+                           post_store=post_store, publish_sums=publish_sums, collapsed=collapsed,
                            timers_start=timers_start, timers_write=timers_write)

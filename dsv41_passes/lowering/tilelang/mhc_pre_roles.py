@@ -9,6 +9,8 @@ of ``build`` in the twenty-second session; the move left every config's CUDA sou
 
 from types import SimpleNamespace
 
+from .mhc_pre_heldnorm import held_norm_loop
+
 
 def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
     """``consumer(ring, role)`` of one kernel: ``T`` is ``tilelang.language``, ``geo`` the geometry and options
@@ -23,12 +25,7 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
     stream_dots, load_stream, issue = mc.stream_dots, mc.load_stream, mc.issue
 
-    def collapsed(pr, hv0, hv1, hv2, hv3, v):
-        """The collapse of value v in f32, ``((p0 h0 + p1 h1) + p2 h2) + p3 h3``, each product and sum rounded."""
-        return T.ieee_add(
-            T.ieee_add(T.ieee_add(T.ieee_mul(pr[0], hv0[v]), T.ieee_mul(pr[1], hv1[v])), T.ieee_mul(pr[2], hv2[v])),
-            T.ieee_mul(pr[3], hv3[v]),
-        )
+    collapsed = mc.collapsed
 
     def consumer(ring, role="both"):
         """The consumer loop of one ring (trace-time ``ring``): its warpgroup's row blocks j = local * rings + ring
@@ -37,6 +34,8 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
         mix partials) or "vec" (the rest)."""
         if role == "mma" and dots_defer and "nodots" not in flags:
             return mc.dots_deferred
+        if role == "vec" and geo.held_norm:
+            return held_norm_loop(T, geo, mc)
         mma = role != "vec"
         vec = role != "mma"
         lagged = vec and not norm_wg  # the vector role normalizes ``lag`` blocks behind
@@ -153,34 +152,7 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
                 if mma and c == nc - 1:
                     mc.publish(ws, rb, s, fr)  # this slice's partials (Triton finish layout)
                 if vec and c == nc - 1:
-                    # xss last: the normalization of this row block (one CTA each slice) waits for it
-                    # pairwise tree over the 32 chunk positions: within each run of 8 here (levels 1-3),
-                    # then (run0 + partner's run0) + (run1 + partner's run1) (levels 4-5)
-                    for lvl in T.unroll(3):
-                        for u in T.unroll(nrun):
-                            for v in T.unroll(4):
-                                if v < (4 >> lvl):
-                                    sq[u * 8 + v] = T.ieee_add(sq[u * 8 + 2 * v], sq[u * 8 + 2 * v + 1])
-                                    xq[u * 8 + v] = T.ieee_add(xq[u * 8 + 2 * v], xq[u * 8 + 2 * v + 1])
-                    if nrun == 2:
-                        red[0] = T.shfl_xor(sq[0], 1)
-                        red[1] = T.shfl_xor(sq[8], 1)
-                        sq[0] = T.ieee_add(T.ieee_add(sq[0], red[0]), T.ieee_add(sq[8], red[1]))
-                        red[0] = T.shfl_xor(xq[0], 1)
-                        red[1] = T.shfl_xor(xq[8], 1)
-                        xq[0] = T.ieee_add(T.ieee_add(xq[0], red[0]), T.ieee_add(xq[8], red[1]))
-                    else:  # runs 8p: (run 0 + run 8) + (run 16 + run 24), lanes 4r + p
-                        red[0] = T.shfl_xor(sq[0], 1)
-                        red[1] = T.shfl_xor(xq[0], 1)
-                        sq[0] = T.ieee_add(sq[0], red[0])
-                        xq[0] = T.ieee_add(xq[0], red[1])
-                        red[0] = T.shfl_xor(sq[0], 2)
-                        red[1] = T.shfl_xor(xq[0], 2)
-                        sq[0] = T.ieee_add(sq[0], red[0])
-                        xq[0] = T.ieee_add(xq[0], red[1])
-                    if hf == 0:
-                        ss[pslot(rb, r, s)] = sq[0]
-                        T.atomic_store(xss[mc.xslot(rb, r, s)], xq[0], memory_order="relaxed")
+                    mc.publish_sums(ss, xss, rb, r, s, hf, sq, xq, red)
                     if norm_wg:  # after this thread's x stores of the block (release: the warps read them next)
                         T.mbarrier_arrive(b.xdone[j % nring])
             # the last ``lag`` row blocks of this CTA: normalized after the loop
