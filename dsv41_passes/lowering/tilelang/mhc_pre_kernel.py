@@ -205,9 +205,10 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     the normalizing warps load a pass's partials a pass ahead (``normalize_blocks``); ``dots_defer`` (split roles):
     the dots' warpgroup issues a step's four hi dots first and leaves its last chains in flight into the next step
     (``dots_deferred``); ``xss_by_row``: the norm partials laid out with a row's 16 side by side, so a poll is four
-    16-byte loads, not 16 of 4 bytes; ``boundary`` (with the normalizing warps or ``held_norm``): ``mhc_boundary``, the post computed
-    by the vector role from the stage's old residual and y (``mhc_pre_macros.post_chunk``) and written over the stage
-    before the dots read it (barrier ``ready``); ``post_tma_store``: the new residual stored from the stage by TMA;
+    16-byte loads, not 16 of 4 bytes; ``boundary`` (with the normalizing warps or ``held_norm``): ``mhc_boundary``, the
+    post computed by the vector role from the stage's old residual and y (``mhc_pre_macros.post_chunk``) and written
+    over the stage before the dots read it (barrier ``ready``); ``post_tma_store``: the new residual stored from the
+    stage by TMA;
     ``packed_cvt``: the vector role's and the normalizing warps' bf16 <-> f32 conversions by bit operations, two
     roundings an instruction (``PACKED_CVT_SOURCE``; the same values); ``ml48`` (split roles, the mid part resident):
     the mid and lo parts resident side by side as one [48, DS] tile a stream (``wmid`` is then ``[16, 4, 48, d/16]``,

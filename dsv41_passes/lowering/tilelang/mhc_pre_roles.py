@@ -21,7 +21,7 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
     boundary, dots_defer, flags, norm_wg, producer = geo.boundary, geo.dots_defer, geo.flags, geo.norm_wg, geo.producer
     post_tma_store, packed_cvt = geo.post_tma_store, geo.packed_cvt
     bf16, f32 = "bfloat16", "float32"
-    pslot, row_rstd, store_x, norm_chunk, load_chunk = mc.pslot, mc.row_rstd, mc.store_x, mc.norm_chunk, mc.load_chunk
+    row_rstd, store_x, norm_chunk, load_chunk = mc.row_rstd, mc.store_x, mc.norm_chunk, mc.load_chunk
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
     stream_dots, load_stream, issue = mc.stream_dots, mc.load_stream, mc.issue
 
