@@ -42,7 +42,7 @@ def parse_variants(specs: list[str]) -> dict[str, dict]:
         if eq:
             variants[name] = json.loads(opts)
         elif name in tlp.CONFIGS:
-            variants[name] = dict(tlp.CONFIGS[name])
+            variants[name] = dict(tlp.CONFIGS[name], whole=True)
         else:
             raise SystemExit(f"{spec!r}: neither name=JSON nor one of {sorted(tlp.CONFIGS)}")
     if "--with-timers" in flags:
@@ -60,9 +60,12 @@ def main():
     groups = tlp.groups_for(sm)
     for m in ms:
         h, pp, parts, sliced, scale, base, w = _inputs(m)
-        fns, outs, timers = {}, {}, {}
+        fns, outs, timers, cfgs = {}, {}, {}, {}
         for name, opts in variants.items():
-            cfg = dict(tlp.DEFAULT_CONFIG, **opts)
+            # a config name is that whole config (the default's options it lacks are off), JSON adds to the default
+            cfg = dict(opts) if opts.get("whole") else dict(tlp.DEFAULT_CONFIG, **opts)
+            cfg.pop("whole", None)
+            cfgs[name] = cfg
 
             def run(cfg=cfg):
                 return tlp.partials(h, pp, sliced, w, 1e-6, config=cfg, groups=groups, with_xss=True)
@@ -75,8 +78,9 @@ def main():
         times = time_interleaved(fns, rounds=8)
         print(f"\n## M = {m}\n\n| variant | same bits as base | ms (median) | ms (min) |\n|---|---|---|---|")
         for n, (med, low) in times.items():
-            # the options beside the default's
-            diff = {k: v for k, v in variants[n].items() if tlp.DEFAULT_CONFIG.get(k) != v}
+            # the options beside the default's (None: one the default has and this build does not)
+            cfg, dflt = cfgs[n], tlp.DEFAULT_CONFIG
+            diff = {k: cfg.get(k) for k in sorted(set(cfg) | set(dflt)) if cfg.get(k) != dflt.get(k)}
             print(f"| {n} {json.dumps(diff)} | {same[n]} | {med:.4f} | {low:.4f} |")
         print("\nTimers: medians over the CTAs, thousands of cycles (and fractions of the role's total)\n")
         print("| variant | " + " | ".join(f"{role}: {c}" for role, cs in ROLES.items() for c in cs if c != "-") + " |")
