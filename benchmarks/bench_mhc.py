@@ -157,7 +157,7 @@ def variants(unit: str, t: dict[str, torch.Tensor], compiled: dict[str, Callable
             out[f"triton post + tilelang mhc_pre (the op's {split_span})"] = post_then_tilelang_pre
 
             def fused(opts):  # the post inside the persistent kernel (the op's where ``fused_boundary_at``)
-                cfg = dict(tlp.DEFAULT_CONFIG, **opts)
+                cfg = dict(tlp.BOUNDARY_CONFIG, **opts)
                 return lambda: tlp.mhc_boundary(y, h, po, co, pp, sliced, sc, ba, w, ITERS, HC_EPS, NORM_EPS, EPS,
                                                 config=cfg)
 

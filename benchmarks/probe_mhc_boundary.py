@@ -55,7 +55,7 @@ def run_tilelang(t: dict, c: dict):
     if "sliced" not in t:
         t["sliced"] = slice_major(t["parts"], D, 24)
     args = (t["sliced"], t["scale"], t["base"], t["w"], ITERS, EPS, EPS, EPS)
-    cfg = dict(tlp.DEFAULT_CONFIG if c["name"] is None else tlp.CONFIGS[c["name"]])
+    cfg = dict(tlp.BOUNDARY_CONFIG if c["name"] is None else tlp.CONFIGS[c["name"]])
     if c.get("post_tma_store"):
         cfg["post_tma_store"] = True
     if c["tilelang"] == "fused":

@@ -383,13 +383,15 @@ def fused_boundary_options(value: str) -> dict | None:
 
 
 # The post inside the persistent kernel (``tilelang.mhc_pre.mhc_boundary``: the new residual written once, never read
-# back), where this provider runs, y is contiguous and M <= FUSED_BOUNDARY_MAX_M; else the Triton post, then the
-# TileLang mhc_pre. The same bits either way (GPU tests, runs 182-184). bench_mhc, ms fused / post + pre: 0.0758 /
-# 0.0787 at M = 1536, 0.0961 / 0.1000 at 2048, 0.3362 / 0.3508 at 8192, 1.316 / 1.357 at 32768 (run 184); 0.1746 /
-# 0.1832 at 4096, 0.6628 / 0.6877 at 16384, 2.815 / 2.703 at 65536 (run 183). DSV41_MHC_BOUNDARY_FUSED sets the
-# switch ("off", "on", or a JSON object of build options), DSV41_MHC_BOUNDARY_FUSED_MAX_M the bound ("none": every M).
+# back), where this provider runs, y is contiguous and M <= FUSED_BOUNDARY_MAX_M (None: no bound); else the Triton
+# post, then the TileLang mhc_pre. The same bits either way (GPU tests, runs 182-186). bench_mhc, ms fused / post + pre:
+# 0.0758 / 0.0787 at M = 1536, 0.0961 / 0.1000 at 2048, 0.3362 / 0.3508 at 8192, 1.316 / 1.357 at 32768 (run 184);
+# 0.1746 / 0.1832 at 4096, 0.6628 / 0.6877 at 16384 (run 183). At 65536 the bench disagreed with itself (2.815 / 2.703
+# in run 183, 2.814 / 2.917 in run 186); probe_mhc_boundary's interleaved replays had the fused kernel faster at 65536
+# (2.592 / 2.681 in run 185, 2.588 / 2.676 in run 186) and 49152 (1.954 / 2.020, run 186). DSV41_MHC_BOUNDARY_FUSED
+# sets the switch ("off", "on", or a JSON object of build options), DSV41_MHC_BOUNDARY_FUSED_MAX_M a bound.
 FUSED_BOUNDARY: dict | None = fused_boundary_options(os.environ.get("DSV41_MHC_BOUNDARY_FUSED", "on"))
-_ENV_FUSED_MAX_M = os.environ.get("DSV41_MHC_BOUNDARY_FUSED_MAX_M", "32768")
+_ENV_FUSED_MAX_M = os.environ.get("DSV41_MHC_BOUNDARY_FUSED_MAX_M", "none")
 FUSED_BOUNDARY_MAX_M: int | None = None if _ENV_FUSED_MAX_M.lower() in ("none", "") else int(_ENV_FUSED_MAX_M)
 
 
@@ -410,7 +412,7 @@ def _tilelang_boundary(y, res, post, comb, pre_prev, fn, scale, base, weight, it
 
         sliced = bf16x3_slice_parts(fn, res.shape[2], static=static_weights(mode))
         return tlp.mhc_boundary(y, res, post, comb, pre_prev, sliced, scale, base, weight, iters, hc_eps, norm_eps, eps,
-                                config=dict(tlp.DEFAULT_CONFIG, **FUSED_BOUNDARY))
+                                config=dict(tlp.BOUNDARY_CONFIG, **FUSED_BOUNDARY))
     new_res = tk.mhc_post(y, res, post, comb, batch_invariant=batch_invariant)
     return (new_res, *_tilelang_pre(new_res, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps,
                                     batch_invariant=batch_invariant, mode=mode))

@@ -98,7 +98,7 @@ def tunables(config, device=None) -> list:
                 def run_tl_boundary(inputs, cfg):
                     return None if inputs is None else tlp.mhc_boundary(*inputs, config=cfg)
 
-                bcfg = dict(cfg, **ops.FUSED_BOUNDARY)
+                bcfg = dict(tlp.BOUNDARY_CONFIG, **ops.FUSED_BOUNDARY)
                 out.append(Tunable("mhc_boundary.tilelang", key, tl_boundary_inputs, run_tl_boundary, [bcfg], bcfg,
                                    lambda m: bcfg))
     return out

@@ -184,7 +184,7 @@ def test_boundary_build(opts, tmp_path, monkeypatch):
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
     from dsv41_passes.lowering.tilelang import mhc_pre as tlp
 
-    cfg = dict(tlp.DEFAULT_CONFIG, boundary=True, **opts)
+    cfg = dict(tlp.BOUNDARY_CONFIG, boundary=True, **opts)
     k = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, **cfg), True)
     src = k.get_kernel_source()
     assert "tma_load<tl::CacheHintSm90::EVICT_FIRST>(y_desc, full[" in src
@@ -232,7 +232,7 @@ def test_boundary_inputs_are_checked():
     sliced = torch.zeros(3, 16, 4, 24, FLASH_D // 16, dtype=torch.bfloat16)
     w, pp = torch.ones(FLASH_D), torch.ones(4, 4)
     with pytest.raises(ValueError, match="a boundary build takes"):
-        tlp.partials(h, pp, sliced, w, EPS, config=dict(tlp.DEFAULT_CONFIG, boundary=True), groups=8)
+        tlp.partials(h, pp, sliced, w, EPS, config=dict(tlp.BOUNDARY_CONFIG, boundary=True), groups=8)
     with pytest.raises(ValueError, match="a boundary build takes"):
         tlp.partials(h, pp, sliced, w, EPS, groups=8, post=(h[:, 0], pp, pp.view(4, 2, 2)))
     y, post, comb = h[:, 0], torch.ones(4, 4), torch.ones(4, 4, 4)

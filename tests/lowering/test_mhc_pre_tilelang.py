@@ -169,7 +169,7 @@ def test_gpu_fused_boundary_matches_the_triton_boundary(m, opts):
     sliced = slice_major(parts, FLASH_D, 24)
     args = (t["scale"], t["base"], t["w"], ITERS, HC_EPS, NORM_EPS, EPS)
     got = tlp.mhc_boundary(t["y"], t["h"], t["post"], t["comb"], t["pre_prev"], sliced, *args,
-                           config=dict(tlp.DEFAULT_CONFIG, **opts))
+                           config=dict(tlp.BOUNDARY_CONFIG, **opts))
     ref = tk.mhc_boundary(t["y"], t["h"], t["post"], t["comb"], t["pre_prev"], parts, *args, batch_invariant=False,
                           config=dict(tk.default_config("mhc_boundary"), form="post_pre"))
     for what, a, b in zip(("new residual", "x", "pre", "post", "comb"), got, ref):
@@ -207,7 +207,7 @@ def test_gpu_fused_boundary_provider_matches_the_triton_boundary(m, opts, monkey
     if opts is None:
         assert not any(dict(k[3]).get("boundary") for k in built[0] - start)  # no fused kernel built
     else:
-        opts_key = dict(tlp.DEFAULT_CONFIG, boundary=True, **opts)
+        opts_key = dict(tlp.BOUNDARY_CONFIG, boundary=True, **opts)
         opts_key.setdefault("lag", tlp.LAG)
         assert any(k[3] == tuple(sorted(opts_key.items())) for k in built[0])  # the fused kernel ran
     assert built[1] == built[0]  # and the next M built nothing
@@ -269,7 +269,7 @@ def test_gpu_warmup_builds_the_fused_boundary_where_it_is_on(monkeypatch):
     assert "mhc_boundary.tilelang" not in {t.op for t in ops.tunables(cfg, "cuda")}
     monkeypatch.setattr(ops, "FUSED_BOUNDARY_MAX_M", ops.TILELANG_PRE_MIN_M)
     (t,) = [t for t in ops.tunables(cfg, "cuda") if t.op == "mhc_boundary.tilelang"]
-    assert t.default == dict(tlp.DEFAULT_CONFIG, post_tma_store=True)
+    assert t.default == dict(tlp.BOUNDARY_CONFIG, post_tma_store=True)
     tlp._KERNELS.clear()
     assert t.run(t.make_inputs(ops.TILELANG_PRE_MIN_M - 1, "cuda"), t.default) is None and not tlp._KERNELS
     assert t.run(t.make_inputs(ops.TILELANG_PRE_MIN_M + 1, "cuda"), t.default) is None and not tlp._KERNELS
@@ -411,7 +411,7 @@ def test_provider_check_puts_no_guard_on_m(monkeypatch):
 
 
 def test_fused_boundary_switch(monkeypatch):
-    """DSV41_MHC_BOUNDARY_FUSED: on by default up to M = 32768 (DSV41_MHC_BOUNDARY_FUSED_MAX_M); "on" or a JSON
+    """DSV41_MHC_BOUNDARY_FUSED: on by default at every M (DSV41_MHC_BOUNDARY_FUSED_MAX_M sets a bound); "on" or a JSON
     object of build options sends the TileLang boundary through ``mhc_pre.mhc_boundary`` with the mhc_pre default config
     plus those options (the kernel mocked here); a y that is not contiguous, or an M above the bound, keeps the Triton
     post + TileLang mhc_pre; a bad value is a clear error."""
@@ -433,9 +433,10 @@ def test_fused_boundary_switch(monkeypatch):
     env.pop("DSV41_MHC_BOUNDARY_FUSED", None)
     env.pop("DSV41_MHC_BOUNDARY_FUSED_MAX_M", None)
     run = subprocess.run
-    assert run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout.split() == ["{}", "32768"]
-    env.update(DSV41_MHC_BOUNDARY_FUSED="off", DSV41_MHC_BOUNDARY_FUSED_MAX_M="none")
-    assert run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout.split() == ["None", "None"]
+    assert run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout.split() == ["{}", "None"]
+    env.update(DSV41_MHC_BOUNDARY_FUSED="off", DSV41_MHC_BOUNDARY_FUSED_MAX_M="32768")
+    out = run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout
+    assert out.split() == ["None", "32768"]
 
     calls = []
     monkeypatch.setattr(tlp, "mhc_boundary", lambda *a, config: calls.append(("fused", config)) or ("fused",))
@@ -455,12 +456,13 @@ def test_fused_boundary_switch(monkeypatch):
     calls.clear()
     monkeypatch.setattr(ops, "FUSED_BOUNDARY", {"post_tma_store": True})
     assert ops._tilelang_boundary(*args, batch_invariant=False, mode=mode) == ("fused",)
-    assert calls == [("fused", dict(tlp.DEFAULT_CONFIG, post_tma_store=True))]
+    assert calls == [("fused", dict(tlp.BOUNDARY_CONFIG, post_tma_store=True))]
     calls.clear()
     for bound, fused in ((m, True), (m - 1, False)):  # the bound is inclusive
         monkeypatch.setattr(ops, "FUSED_BOUNDARY_MAX_M", bound)
         ops._tilelang_boundary(*args, batch_invariant=False, mode=mode)
-        assert calls == ([("fused", dict(tlp.DEFAULT_CONFIG, post_tma_store=True))] if fused else [("post",), ("pre",)])
+        fused_call = ("fused", dict(tlp.BOUNDARY_CONFIG, post_tma_store=True))
+        assert calls == ([fused_call] if fused else [("post",), ("pre",)])
         calls.clear()
     monkeypatch.setattr(ops, "FUSED_BOUNDARY_MAX_M", None)
     strided = torch.randn(m, 2 * d, generator=g).bfloat16()[:, :d]
