@@ -159,7 +159,9 @@ CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd"] = dict(CONFIGS["wg1-split-v2-normwg3
 CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh"] = dict(CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd"], x_hints=True)
 # The collapse held in registers (``held_norm``, ``mhc_pre_heldnorm``): no normalizing warps, no round trip of the
 # un-normalized collapse through the L2 (22% of the SMs' L2 sectors at M = 65536, run 184); the previous block's rsqrt
-# read at step 0, 1 or 2 (``-hn1``, ``-hn2``, ``-hn3``) of the next. Written in the twenty-fourth session.
+# read at step k = held_norm - 1 of the next. The same bits (GPU tests, runs 185, 187). Timed in turn with the
+# run-183 default (run186-diag.log, medians, ms at 65536 / 16384 / 4096; the default 1.164 / 0.3046 / 0.0800):
+# -hn1 1.199 / 0.3022 / 0.0776, -hn2 1.175 / 0.2931 / 0.0738, -hn3 1.123 / 0.2812 / 0.0721. -hn3: the default since.
 _HELD = {k: v for k, v in CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh"].items()
          if k not in ("norm_wg", "norm_warps", "norm_w_smem")}
 CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn1"] = dict(_HELD, held_norm=1)
@@ -179,7 +181,7 @@ for _k in (4, 5, 6):  # more slack (run 186: the later the rsqrt is read, the fa
 UNMEASURED: tuple[str, ...] = ("wg1-split-v2-ml-pk-dd-xh-hn4", "wg1-split-v2-ml-pk-dd-xh-hn5",
                                 "wg1-split-v2-ml-pk-dd-xh-hn6")
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
-_ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-normwg3-ws-ml-pk-dd-xh")
+_ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-ml-pk-dd-xh-hn3")
 if _ENV_CONFIG not in CONFIGS:
     raise ValueError(f"DSV41_MHC_PRE_TILELANG_CONFIG={_ENV_CONFIG!r}: not one of {sorted(CONFIGS)}")
 DEFAULT_CONFIG = CONFIGS[_ENV_CONFIG]
