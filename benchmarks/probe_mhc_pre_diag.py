@@ -92,6 +92,9 @@ def main():
                 for j, c in enumerate(cs):
                     if c == "-":
                         continue
+                    if role == "norm" and not cfgs[n].get("norm_wg"):  # (held_norm: no normalizing warps)
+                        cells.append("-")
+                        continue
                     v = t[:, 3 * i + j]
                     share = "" if j == 2 else f" ({(v / tot).median().item():.2f})"
                     cells.append(f"{v.median().item() / 1e3:.0f}{share}")
