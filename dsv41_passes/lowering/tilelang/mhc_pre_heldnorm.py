@@ -61,13 +61,7 @@ def held_norm_loop(T, geo: SimpleNamespace, mc: SimpleNamespace):
                 t = j * nc + c
                 st = t % stages
                 if c == 0:
-                    for v in T.unroll(vals):
-                        sq[v] = 0.0
-                        xq[v] = 0.0
-                    for q in T.unroll(HC):
-                        pr[q] = prn[q]
-                    for q in T.unroll(HC):
-                        prn[q] = T.if_then_else(row + groups * bm < m, pre_prev[row + groups * bm, q], 0.0)
+                    mc.block_start(sq, xq, pr, prn, pre_prev, row + groups * bm)
                     if boundary:
                         mc.post_weights(b, row)
                 # the previous block's chunk c leaves first, so its poll and stores overlap the stage's copy (chunks
@@ -100,12 +94,7 @@ def held_norm_loop(T, geo: SimpleNamespace, mc: SimpleNamespace):
                         mc.post_global(b, row, s * ds + c * bk, hf)
                 else:
                     T.mbarrier_arrive(empty[st])  # the stage's values are in registers
-                for v in T.unroll(vals):  # the sums of squares and the collapse
-                    sq[v] = T.ieee_fmaf(hv0[v], hv0[v], sq[v])
-                    sq[v] = T.ieee_fmaf(hv1[v], hv1[v], sq[v])
-                    sq[v] = T.ieee_fmaf(hv2[v], hv2[v], sq[v])
-                    sq[v] = T.ieee_fmaf(hv3[v], hv3[v], sq[v])
-                    xf[v] = mc.collapsed(pr, hv0, hv1, hv2, hv3, v)
+                mc.sums_collapse(sq, xq, xf, xo, pr, hv0, hv1, hv2, hv3)  # (packed_cvt: the collapse in xf)
                 T.evaluate(mc.cvt_out(T.address_of(xb[c * 8]), T.address_of(xf[0]), T.address_of(xf[0])))
                 for v in T.unroll(vals):
                     xq[v] = T.ieee_fmaf(xf[v], xf[v], xq[v])

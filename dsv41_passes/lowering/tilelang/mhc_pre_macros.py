@@ -187,6 +187,35 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                 ws[pslot(rb, i, s), n] = T.ieee_add(T.ieee_add(acc_hi[i, n], acc_mid[i, n]), acc_lo[i, n])
 
     @T.macro
+    def block_start(sq, xq, pr, prn, pre_prev, row_next):
+        """The vector role at a row block's first step: its sums of squares from zero, this block's pre weights (loaded
+        a block ahead: loaded here, their latency stalled the step, 6% of the op at M = 16384, run 114) and the next
+        block's, for this thread's row there (``row_next``)."""
+        for v in T.unroll(vals):
+            sq[v] = 0.0
+            xq[v] = 0.0
+        for k in T.unroll(4):
+            pr[k] = prn[k]
+        for k in T.unroll(4):
+            prn[k] = T.if_then_else(row_next < m, pre_prev[row_next, k], 0.0)
+
+    @T.macro
+    def sums_collapse(sq, xq, xf, xo, pr, hv0, hv1, hv2, hv3):
+        """This thread's sums of squares of the stage's values (hv0..hv3) and their collapse,
+        ((p0 h0 + p1 h1) + p2 h2) + p3 h3: in xf (f32) with ``packed_cvt`` (rounded by the caller, a pair at a time),
+        else rounded into xo here, its square summed in xq."""
+        for v in T.unroll(vals):
+            sq[v] = T.ieee_fmaf(hv0[v], hv0[v], sq[v])
+            sq[v] = T.ieee_fmaf(hv1[v], hv1[v], sq[v])
+            sq[v] = T.ieee_fmaf(hv2[v], hv2[v], sq[v])
+            sq[v] = T.ieee_fmaf(hv3[v], hv3[v], sq[v])
+            if packed_cvt:  # rounded to bf16 by the caller, two values at a time
+                xf[v] = collapsed(pr, hv0, hv1, hv2, hv3, v)
+            else:
+                xo[v] = T.cast(collapsed(pr, hv0, hv1, hv2, hv3, v), bf16)
+                xq[v] = T.ieee_fmaf(T.cast(xo[v], f32), T.cast(xo[v], f32), xq[v])
+
+    @T.macro
     def publish_sums(ss, xss, rb, r, s, hf, sq, xq, red):
         """The vector role at a row block's last step: this thread's sums of squares (of the residual, sq, and of the
         collapse, xq) reduced over the row's threads and published by its first one, ss then xss (the rows'
@@ -476,4 +505,5 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                            timed_wait=timed_wait, publish=publish, dots_deferred=dots_deferred,
                            post_weights=post_weights, post_chunk=post_chunk, post_global=post_global,
                            post_store=post_store, publish_sums=publish_sums, collapsed=collapsed,
+                           block_start=block_start, sums_collapse=sums_collapse,
                            timers_start=timers_start, timers_write=timers_write)

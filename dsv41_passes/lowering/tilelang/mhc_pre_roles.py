@@ -20,12 +20,9 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
         geo.stages, geo.tpr, geo.vals)
     boundary, dots_defer, flags, norm_wg, producer = geo.boundary, geo.dots_defer, geo.flags, geo.norm_wg, geo.producer
     post_tma_store, packed_cvt = geo.post_tma_store, geo.packed_cvt
-    bf16, f32 = "bfloat16", "float32"
     row_rstd, store_x, norm_chunk, load_chunk = mc.row_rstd, mc.store_x, mc.norm_chunk, mc.load_chunk
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
     stream_dots, load_stream, issue = mc.stream_dots, mc.load_stream, mc.issue
-
-    collapsed = mc.collapsed
 
     def consumer(ring, role="both"):
         """The consumer loop of one ring (trace-time ``ring``): its warpgroup's row blocks j = local * rings + ring
@@ -78,15 +75,7 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
                         T.clear(acc_mid)
                         T.clear(acc_lo)
                     if vec:
-                        for v in T.unroll(vals):
-                            sq[v] = 0.0
-                            xq[v] = 0.0
-                        # this block's pre weights were loaded a block ahead (loaded here, their latency stalled
-                        # the step: 6% of the op at M = 16384, run 114); load the next block's
-                        for k in T.unroll(HC):
-                            pr[k] = prn[k]
-                        for k in T.unroll(HC):
-                            prn[k] = T.if_then_else(row + back * bm < m, pre_prev[row + back * bm, k], 0.0)
+                        mc.block_start(sq, xq, pr, prn, pre_prev, row + back * bm)
                 if vec and boundary and c == 0:
                     mc.post_weights(b, row)
                 timed_wait(full, st, (t // stages) % 2, b.tm, b.tc, 0)
@@ -113,16 +102,7 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
                                 mc.post_store(b, t, s, g)
                         else:
                             mc.post_global(b, row, col, hf)
-                    for v in T.unroll(vals):  # the sums of squares and the collapse, ((p0 h0 + p1 h1) + p2 h2) + p3 h3
-                        sq[v] = T.ieee_fmaf(hv0[v], hv0[v], sq[v])
-                        sq[v] = T.ieee_fmaf(hv1[v], hv1[v], sq[v])
-                        sq[v] = T.ieee_fmaf(hv2[v], hv2[v], sq[v])
-                        sq[v] = T.ieee_fmaf(hv3[v], hv3[v], sq[v])
-                        if packed_cvt:  # rounded to bf16 below, two values at a time
-                            xf[v] = collapsed(pr, hv0, hv1, hv2, hv3, v)
-                        else:
-                            xo[v] = T.cast(collapsed(pr, hv0, hv1, hv2, hv3, v), bf16)
-                            xq[v] = T.ieee_fmaf(T.cast(xo[v], f32), T.cast(xo[v], f32), xq[v])
+                    mc.sums_collapse(sq, xq, xf, xo, pr, hv0, hv1, hv2, hv3)
                     if packed_cvt:
                         for u in T.unroll(nrun):  # xf <- the rounded values
                             T.evaluate(mc.cvt_out(T.address_of(xo[u * 8]), T.address_of(xf[u * 8]),
