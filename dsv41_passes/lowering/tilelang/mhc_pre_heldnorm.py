@@ -84,14 +84,7 @@ def held_norm_loop(T, geo: SimpleNamespace, mc: SimpleNamespace):
                 mc.load_stream(a2, hv2, st, r, hf)
                 mc.load_stream(a3, hv3, st, r, hf)
                 if boundary:  # the post: the new residual over the stage and to HBM, then the dots may read it
-                    mc.post_chunk(b, st, r, hf, row, s * ds + c * bk, hv0, hv1, hv2, hv3)
-                    T.fence_proxy_async()
-                    T.mbarrier_arrive(b.ready[st])
-                    if post_tma_store:
-                        if lt < 32:
-                            mc.post_store(b, t, s, g)
-                    else:
-                        mc.post_global(b, row, s * ds + c * bk, hf)
+                    mc.post_step(b, st, r, hf, row, s * ds + c * bk, hv0, hv1, hv2, hv3, lt, t, s, g)
                 else:
                     T.mbarrier_arrive(empty[st])  # the stage's values are in registers
                 mc.sums_collapse(sq, xq, xf, xo, pr, hv0, hv1, hv2, hv3)  # (packed_cvt: the collapse in xf)

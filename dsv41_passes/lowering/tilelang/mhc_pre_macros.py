@@ -17,7 +17,7 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
     nrun, vals, run_col, x_hints, mid_resident, lead, nt, nring = (
         g.nrun, g.vals, g.run_col, g.x_hints, g.mid_resident, g.lead, g.nt, g.nring)
     flags, norm_w_smem, norm_prepoll, nmix, stages = g.flags, g.norm_w_smem, g.norm_prepoll, g.nmix, g.stages
-    xss_by_row, packed_cvt, ml48 = g.xss_by_row, g.packed_cvt, g.ml48
+    xss_by_row, packed_cvt, ml48, post_tma_store = g.xss_by_row, g.packed_cvt, g.ml48, g.post_tma_store
     timers = "timers" in flags
     bf16, f32 = "bfloat16", "float32"
 
@@ -400,6 +400,20 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
         T.tma_copy(a3[st, :, :], new_res[rq:rq + bm, 3 * d + colq:3 * d + colq + bk], leader_scope_threads=32)
 
     @T.macro
+    def post_step(b, st, r, hf, row, col, hv0, hv1, hv2, hv3, lt, t, s, gi):
+        """``boundary``, the vector role after its stage reads: the post (``post_chunk``), the new residual over the
+        stage, handed to the dots (``ready``, after the async-proxy fence) and taken to HBM (``post_store`` by a warp,
+        or ``post_global``)."""
+        post_chunk(b, st, r, hf, row, col, hv0, hv1, hv2, hv3)
+        T.fence_proxy_async()
+        T.mbarrier_arrive(b.ready[st])
+        if post_tma_store:
+            if lt < 32:
+                post_store(b, t, s, gi)
+        else:
+            post_global(b, row, col, hf)
+
+    @T.macro
     def issue(h, wlo, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds, full, ring=0, y=None, ys=None):
         """TMA of step q of ``ring`` (row block g + j * groups with j = (q // nc) * rings + ring, chunk q % nc)
         into stage st; every thread arrives (the elected leader first adds the expected bytes). The residual is
@@ -505,5 +519,5 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                            timed_wait=timed_wait, publish=publish, dots_deferred=dots_deferred,
                            post_weights=post_weights, post_chunk=post_chunk, post_global=post_global,
                            post_store=post_store, publish_sums=publish_sums, collapsed=collapsed,
-                           block_start=block_start, sums_collapse=sums_collapse,
+                           block_start=block_start, sums_collapse=sums_collapse, post_step=post_step,
                            timers_start=timers_start, timers_write=timers_write)

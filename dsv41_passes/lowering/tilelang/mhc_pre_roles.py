@@ -94,14 +94,7 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
                     load_stream(a2, hv2, st, r, hf)
                     load_stream(a3, hv3, st, r, hf)
                     if boundary:  # the post: the new residual over the stage and to HBM, then the dots may read it
-                        mc.post_chunk(b, st, r, hf, row, col, hv0, hv1, hv2, hv3)
-                        T.fence_proxy_async()
-                        T.mbarrier_arrive(b.ready[st])
-                        if post_tma_store:
-                            if lt < 32:
-                                mc.post_store(b, t, s, g)
-                        else:
-                            mc.post_global(b, row, col, hf)
+                        mc.post_step(b, st, r, hf, row, col, hv0, hv1, hv2, hv3, lt, t, s, g)
                     mc.sums_collapse(sq, xq, xf, xo, pr, hv0, hv1, hv2, hv3)
                     if packed_cvt:
                         for u in T.unroll(nrun):  # xf <- the rounded values
