@@ -45,7 +45,7 @@ for s in $stages; do
       run mhc_unmeasured_tests ${TESTS_LIMIT:-300} python3 -m pytest -q -m gpu tests/lowering/test_mhc_pre_tilelang.py \
         -n ${JOBS:-4} -p no:cacheprovider -rfE -k "$k" ;;
     mhc_boundary_probe) run mhc_boundary_probe ${BOUNDARY_LIMIT:-240} python3 benchmarks/probe_mhc_boundary.py \
-                          --no-fused --tilelang ${BOUNDARY_MS:-65536 16384 4096} ;;
+                          --no-fused --no-post-collapse --tilelang ${BOUNDARY_MS:-65536 16384 4096} ;;
     run_all) run run_all ${RUN_ALL_LIMIT:-560} python3 benchmarks/run_all.py --out "$OUT" ${RUN_ALL_ARGS:-} ;;
     *) echo "unknown stage $s" ;;
   esac
