@@ -169,6 +169,8 @@ CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn2"] = dict(_HELD, held_norm=2)  # (the bound
 CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3"] = dict(_HELD, held_norm=3)
 for _k in (4, 5, 6):  # more slack (run 186: the later the rsqrt is read, the faster, up to k = 2 at least)
     CONFIGS[f"wg1-split-v2-ml-pk-dd-xh-hn{_k}"] = dict(_HELD, held_norm=_k)
+# the rsqrt's first poll a step ahead (``held_prepoll``)
+CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-pp"] = dict(_HELD, held_norm=3, held_prepoll=True)
 # Not kept (measured in runs 173-174 and 179-181, code not in the tree): the row's x loaded before its partials are
 # polled; the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role); the row
 # block's pre weights brought by TMA with its first stage; one stage-barrier arrival a warp instead of a thread;
@@ -179,7 +181,7 @@ for _k in (4, 5, 6):  # more slack (run 186: the later the rsqrt is read, the fa
 # (``benchmarks/probe_mhc_pre_diag.py --unmeasured`` times them against the default; ``run_gpu.sh mhc_unmeasured``).
 # Runs 182-183 measured all of them before these.
 UNMEASURED: tuple[str, ...] = ("wg1-split-v2-ml-pk-dd-xh-hn4", "wg1-split-v2-ml-pk-dd-xh-hn5",
-                                "wg1-split-v2-ml-pk-dd-xh-hn6")
+                                "wg1-split-v2-ml-pk-dd-xh-hn6", "wg1-split-v2-ml-pk-dd-xh-hn3-pp")
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
 _ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-ml-pk-dd-xh-hn3")
 if _ENV_CONFIG not in CONFIGS:

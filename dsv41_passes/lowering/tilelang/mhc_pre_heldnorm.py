@@ -22,7 +22,7 @@ def held_norm_loop(T, geo: SimpleNamespace, mc: SimpleNamespace):
     HC, bk, bm, ds, groups, m, nc, stages, tpr, vals = (
         geo.HC, geo.bk, geo.bm, geo.ds, geo.groups, geo.m, geo.nc, geo.stages, geo.tpr, geo.vals)
     k = geo.held_norm - 1  # the step of a block at which the previous block's rsqrt is read
-    x_hints, boundary, post_tma_store = geo.x_hints, geo.boundary, geo.post_tma_store
+    x_hints, boundary, post_tma_store, held_prepoll = geo.x_hints, geo.boundary, geo.post_tma_store, geo.held_prepoll
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
 
     @T.macro
@@ -71,8 +71,10 @@ def held_norm_loop(T, geo: SimpleNamespace, mc: SimpleNamespace):
                         if c < k:
                             for e in T.unroll(8):
                                 xk[c * 8 + e] = xb[c * 8 + e]
+                    if held_prepoll and c == k - 1:  # the first poll a step ahead: its L2 round trip overlaps it
+                        mc.poll_issue(xss, rb - groups, r, pv)
                     if c == k:
-                        mc.row_rstd(xss, rb - groups, r, pv, red)
+                        mc.row_rstd(xss, rb - groups, r, pv, red, held_prepoll)
                         if k > 0:
                             for c0 in T.unroll(k):
                                 norm_store(x, w_s, xk, c0 * 8, prow, s * ds + c0 * bk, c0, hf, w8, red)

@@ -182,7 +182,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
           vec_wgs: int = 1, x_hints: bool = False, norm_wg: bool = False, norm_warps: int = 2,
           norm_w_smem: bool = False, diag: str = "", norm_prepoll: bool = False, dots_defer: bool = False,
           xss_by_row: bool = False, boundary: bool = False, post_tma_store: bool = False, packed_cvt: bool = False,
-          ml48: bool = False, held_norm: int = 0):
+          ml48: bool = False, held_norm: int = 0, held_prepoll: bool = False):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
@@ -216,7 +216,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     both; the hi part streams with the stage in lo's place (``mhc_pre_macros.chain_dots``); ``held_norm`` k + 1 (split
     roles, two vector warpgroups, ``packed_cvt``, no normalizing warps): the vector role keeps its rows' collapse of a
     block in registers and normalizes it during the next block, reading its rsqrt at step k (``mhc_pre_heldnorm``;
-    registers by ``setmaxnreg``: ``HELD_REGS``).
+    registers by ``setmaxnreg``: ``HELD_REGS``); ``held_prepoll`` (``held_norm`` >= 2): that rsqrt's first poll issued a
+    step earlier.
     ``diag`` (probe builds only, ``benchmarks/probe_mhc_pre_diag.py``; comma-separated): "timers" has the first thread
     of each role (producer, normalizing warps, dots, vector) count clock64 cycles waiting on its barriers and in all,
     written over xss at the end (in the partial layout); "nonorm", "novec", "nodots" and "noxstore" drop that work,
@@ -260,6 +261,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                           and 1 <= held_norm <= d // NUM_SLICES // 32):
         raise ValueError("TileLang mhc_pre: held_norm (1 to the chunks a slice) needs split roles, two vector "
                          "warpgroups and packed_cvt, without the normalizing warps")
+    if held_prepoll and held_norm < 2:
+        raise ValueError("TileLang mhc_pre: held_prepoll polls a step before the rsqrt's: held_norm >= 2")
     if (norm_w_smem or norm_prepoll) and not norm_wg:
         raise ValueError("TileLang mhc_pre: norm_w_smem and norm_prepoll are for the normalizing warps (norm_wg)")
     nt = 32 * norm_warps  # the normalizing threads (``norm_wg``): the producer warpgroup's last ones
@@ -289,7 +292,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         rings=rings, nrun=nrun, vals=vals, run_col=run_col, x_hints=x_hints, mid_resident=mid_resident, lead=lead,
         nt=nt, nring=nring, flags=flags, norm_w_smem=norm_w_smem, norm_prepoll=norm_prepoll, nmix=NMIX, stages=stages,
         xss_by_row=xss_by_row, HC=HC, lag=lag, tpr=tpr, boundary=boundary, dots_defer=dots_defer, norm_wg=norm_wg,
-        producer=producer, post_tma_store=post_tma_store, packed_cvt=packed_cvt, ml48=ml48, held_norm=held_norm)
+        producer=producer, post_tma_store=post_tma_store, packed_cvt=packed_cvt, ml48=ml48, held_norm=held_norm,
+        held_prepoll=held_prepoll)
     mc = kernel_macros(T, geo)
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
     issue, resident, normalize_blocks = mc.issue, mc.resident, mc.normalize_blocks

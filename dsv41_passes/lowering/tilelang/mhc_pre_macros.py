@@ -520,4 +520,5 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                            post_weights=post_weights, post_chunk=post_chunk, post_global=post_global,
                            post_store=post_store, publish_sums=publish_sums, collapsed=collapsed,
                            block_start=block_start, sums_collapse=sums_collapse, post_step=post_step,
+                           poll_issue=poll_issue,
                            timers_start=timers_start, timers_write=timers_write)
