@@ -159,15 +159,14 @@ CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd"] = dict(CONFIGS["wg1-split-v2-normwg3
 CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh"] = dict(CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd"], x_hints=True)
 # The collapse held in registers (``held_norm``, ``mhc_pre_heldnorm``): no normalizing warps, no round trip of the
 # un-normalized collapse through the L2 (22% of the SMs' L2 sectors at M = 65536, run 184); the previous block's rsqrt
-# read at step k = held_norm - 1 of the next. The same bits (GPU tests, runs 185, 187). Timed in turn with the
+# read at step k = held_norm - 1 of the next. The same bits (GPU tests of -hn1 to -hn3, run 185). Timed in turn with the
 # run-183 default (run186-diag.log, medians, ms at 65536 / 16384 / 4096; the default 1.164 / 0.3046 / 0.0800):
 # -hn1 1.199 / 0.3022 / 0.0776, -hn2 1.175 / 0.2931 / 0.0738, -hn3 1.123 / 0.2812 / 0.0721. -hn3: the default since.
 _HELD = {k: v for k, v in CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh"].items()
          if k not in ("norm_wg", "norm_warps", "norm_w_smem")}
-CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn1"] = dict(_HELD, held_norm=1)
-CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn2"] = dict(_HELD, held_norm=2)  # (the boundary's: with k = 2 its build spills)
-CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3"] = dict(_HELD, held_norm=3)
-for _k in (4, 5, 6):  # more slack (run 186: the later the rsqrt is read, the faster, up to k = 2 at least)
+# -hn4 to -hn6: more slack (run 186: the later the rsqrt is read, the faster, up to k = 2 at least). The boundary's
+# option takes -hn2's k = 1: with k = 2 its build spills.
+for _k in range(1, 7):
     CONFIGS[f"wg1-split-v2-ml-pk-dd-xh-hn{_k}"] = dict(_HELD, held_norm=_k)
 # the rsqrt's first poll a step ahead (``held_prepoll``)
 CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-pp"] = dict(_HELD, held_norm=3, held_prepoll=True)
