@@ -387,9 +387,10 @@ def fused_boundary_options(value: str) -> dict | None:
 # post, then the TileLang mhc_pre. The same bits either way (GPU tests, runs 182, 184-186). bench_mhc, ms fused /
 # post + pre: 0.0758 / 0.0787 at M = 1536, 0.0961 / 0.1000 at 2048, 0.3362 / 0.3508 at 8192, 1.316 / 1.357 at 32768
 # (run 184); 0.1746 / 0.1832 at 4096, 0.6628 / 0.6877 at 16384 (run 183). At 65536 the bench disagreed with itself
-# (2.815 / 2.703 in run 183, 2.814 / 2.917 in run 186); probe_mhc_boundary's interleaved replays had the fused kernel faster at 65536
-# (2.592 / 2.681 in run 185, 2.588 / 2.676 in run 186) and 49152 (1.954 / 2.020, run 186). DSV41_MHC_BOUNDARY_FUSED
-# sets the switch ("off", "on", or a JSON object of build options), DSV41_MHC_BOUNDARY_FUSED_MAX_M a bound.
+# (2.815 / 2.703 in run 183, 2.814 / 2.917 in run 186); probe_mhc_boundary's interleaved replays had the fused kernel
+# faster at 65536 (2.592 / 2.681 in run 185, 2.588 / 2.676 in run 186) and 49152 (1.954 / 2.020, run 186).
+# DSV41_MHC_BOUNDARY_FUSED sets the switch ("off", "on", or a JSON object of build options),
+# DSV41_MHC_BOUNDARY_FUSED_MAX_M a bound.
 FUSED_BOUNDARY: dict | None = fused_boundary_options(os.environ.get("DSV41_MHC_BOUNDARY_FUSED", "on"))
 _ENV_FUSED_MAX_M = os.environ.get("DSV41_MHC_BOUNDARY_FUSED_MAX_M", "none")
 FUSED_BOUNDARY_MAX_M: int | None = None if _ENV_FUSED_MAX_M.lower() in ("none", "") else int(_ENV_FUSED_MAX_M)
