@@ -27,7 +27,10 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     release, and after the set-up no barrier takes the whole CTA. With two stage rings: warp 1 fills the second,
     and each consumer warpgroup has a loop of its own (its own wgmma, 12 a step). With split roles: warpgroup 1
     issues every wgmma, warpgroup 2 stores x and publishes the norm partials. With the collapse held in registers
-    (``held_norm``): the registers moved by setmaxnreg (honored by ptxas), x stored once a value and never read back."""
+    (``held_norm``): the registers moved by setmaxnreg (honored by ptxas), x stored once a value and never read back.
+    With ``hi_multicast``: rank 0 of a cluster loads the streamed hi part into all its CTAs, the residual only for a
+    row block within M, a warp's one arrival on each other CTA's stage barrier after its own, cluster barriers at both
+    ends."""
     pytest.importorskip("tilelang")
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not installed: TileLang cannot build the sm_90a cubin")
@@ -40,8 +43,9 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     split = cfg.get("split_roles", False)
     k = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, **cfg), producer)
     src = k.get_kernel_source()
-    if producer:
-        assert src.count("__syncthreads()") == 1  # the barriers' initialization
+    mcast = cfg.get("hi_multicast", False)
+    if producer:  # the barriers' initialization (with a cluster, a cluster barrier)
+        assert src.count("__syncthreads()") == (0 if mcast else 1)
         assert "if (((int)threadIdx.x) < 32) {" in src and "tl_shuffle_elect<32>" in src
         assert "tl_shuffle_elect<128>" not in src and "tl_shuffle_elect<256>" not in src
         if rings == 1:
@@ -109,6 +113,10 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
         assert src.count("tma_load(whi_desc, full[") == 4 and "tma_load(whi_desc, wbar[" not in src
         assert src.count("tma_load(wmid_desc, wbar[") == 4 and "wlo_desc" not in src
     assert "tma_load<tl::CacheHintSm90::EVICT_FIRST>(h_desc" in src
+    if mcast:
+        _check_hi_multicast(src, cfg)
+    else:
+        assert "cluster" not in src and "tma_load_multicast" not in src
     assert "__fmaf_rn" in src and "__fdiv_rn" in src and "__fsqrt_rn" in src
     offsets = [int(v) for v in re.findall(r"buf_dyn_shmem \+ (\d+)\)", src)]
     assert max(offsets) < 227 * 1024
@@ -144,6 +152,58 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
             assert src.count("AtomicLoad") == polls and "xdone" not in src and " = x[" not in src
 
 
+def _check_hi_multicast(src: str, cfg: dict) -> None:
+    """The cluster's copies and barriers in a ``hi_multicast`` build's source."""
+    n = cfg["hi_multicast"]
+    consumers = 128 * (1 + cfg["vec_wgs"])
+    # each stage's empty: this CTA's consumers and one thread of each of the other CTAs' warps
+    assert [src.count(f"empty[{i}].init({consumers + (n - 1) * consumers // 32});") for i in range(4)] == [1] * 4
+    # rank 0 multicasts each stream's hi chunk to the n CTAs (the others only expect its bytes)
+    assert src.count("tl::tma_load_multicast(whi_desc, full[") == 4 and src.count(f"(uint16_t)({2 ** n - 1})") == 4
+    producer = src[src.index("for (int q = 0;"):src.index("if (128 <= ((int)threadIdx.x)) {")]
+    # the residual's four copies under the row block's test (q / 10 below this CTA's own count of blocks)
+    guard = producer.index("if ((q / 10) < ")
+    assert guard < producer.index("(h_desc, full[") and producer.count("(h_desc, full[") == 4
+    # remote arrivals after a warp sync, by a warp's first lane at each local release of the dots and the vector
+    # role: one on each other rank's barrier (rank + o) % n, o = 1 .. n - 1
+    rank = f"(((int)blockIdx.x) & {n - 1})"
+    one = r"empty\[[^\]]*\]\.arrive\(\(%s\)\);"
+    sync = r"__syncwarp\(\);\s*if \(\(\(\(int\)threadIdx.x\) % 32\) == 0\) \{\s*"
+    if n == 2:
+        peer = re.escape(f"({rank} + 1) & 1")
+    else:  # (an unrolled loop over o)
+        sync += r"#pragma unroll\s*for \(int (o\w*) = 1; \1 < %d; \+\+\1\) \{\s*" % n
+        peer = r"\(\1 \+ %s\) & %d" % (re.escape(rank), n - 1)
+    assert len(re.findall(sync + one % peer, src)) == 3 and src.count(".arrive((") == 3
+    # cluster barriers: after the barriers' initialization (TileLang's) and before the CTAs leave
+    assert src.count("tl::cluster_sync();") == 2 and re.search(r"tl::fence_barrier_init\(\);\s*tl::cluster_sync", src)
+    assert re.search(r"tl::cluster_sync\(\);\s*\}\s*$", src)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_hi_multicast_schedule(n):
+    """``hi_multicast``'s clusters: every (slice, row block) has exactly one CTA, the n CTAs of a cluster share a slice
+    and walk as many row blocks (rank 0's), and only a later rank's last may be past M (groups n and 8, M from 0 to
+    40 row blocks)."""
+    from dsv41_passes.lowering.tilelang.mhc_pre_kernel import cluster_slot, walked_blocks
+
+    S = 16
+    for groups in (n, 8):
+        for nrb in range(41):
+            seen = []
+            for p in range(groups * S // n):
+                slots = [cluster_slot(n * p + r, n, S) for r in range(n)]
+                s, g0, _ = slots[0]
+                assert slots == [(s, g0 + r, r) for r in range(n)] and g0 % n == 0
+                walk = len(range(g0, nrb, groups))  # rank 0's row blocks
+                for _, g, r in slots:
+                    real = range(g, nrb, groups)
+                    assert walked_blocks(nrb, g, r, groups) == walk
+                    assert len(real) in ((walk,) if r == 0 else (walk, walk - 1))
+                    seen += [(s, rb) for rb in real]
+            assert sorted(seen) == [(s, rb) for s in range(S) for rb in range(nrb)]
+
+
 def test_two_vector_warpgroups_need_split_roles():
     from dsv41_passes.lowering.tilelang import mhc_pre as tlp
 
@@ -170,6 +230,16 @@ def test_build_options_are_checked():
         tlp.build(FLASH_D, 8, EPS, **dict(tlp.CONFIGS["wg1-producer"], ml48=True))
     with pytest.raises(ValueError, match="ml48 needs split roles and the mid part resident"):
         tlp.build(FLASH_D, 8, EPS, **dict(tlp.DEFAULT_CONFIG, ml48=True, mid_resident=False))
+    mc = tlp.CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-mc"]
+    for cfg, groups in ((dict(tlp.CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh"], hi_multicast=2), 8),
+                        (dict(mc, dots_defer=False), 8), (mc, 7), (dict(mc, boundary=True), 8)):
+        with pytest.raises(ValueError, match=r"hi_multicast \d \(2 or 4 CTAs\) needs held_norm"):
+            tlp.build(FLASH_D, groups, EPS, **cfg)
+    h, pp = torch.zeros(4, 4, FLASH_D, dtype=torch.bfloat16), torch.ones(4, 4)
+    with pytest.raises(ValueError, match="hi_multicast 3"):
+        tlp.build(FLASH_D, 6, EPS, **dict(mc, hi_multicast=3))
+    with pytest.raises(ValueError, match="hi_multicast clusters CTAs of 2 groups, got 1"):
+        tlp.partials(h, pp, None, torch.ones(FLASH_D), EPS, config=mc, groups=1)
 
 
 @pytest.mark.parametrize("opts", BOUNDARY_OPTS)

@@ -170,6 +170,12 @@ for _k in range(1, 7):
     CONFIGS[f"wg1-split-v2-ml-pk-dd-xh-hn{_k}"] = dict(_HELD, held_norm=_k)
 # the rsqrt's first poll a step ahead (``held_prepoll``)
 CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-pp"] = dict(_HELD, held_norm=3, held_prepoll=True)
+# the streamed hi part loaded once for the 2 or 4 CTAs of a cluster on one K slice (``hi_multicast``: rank 0's TMA
+# multicast into all): with held_norm the weight stream is the largest L2 load beyond the residual and the output
+# (31.5 M of the 146 M sectors the SMs move at M = 65536, runs 184-186); this halves or quarters it. Clusters of 4
+# need 32 of them resident at once (one CTA an SM): whether the H200's GPCs hold that is for the probe to show
+CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-mc"] = dict(_HELD, held_norm=3, hi_multicast=2)
+CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-mc4"] = dict(_HELD, held_norm=3, hi_multicast=4)
 # Not kept (measured in runs 173-174 and 179-181, code not in the tree): the row's x loaded before its partials are
 # polled; the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role); the row
 # block's pre weights brought by TMA with its first stage; one stage-barrier arrival a warp instead of a thread;
@@ -180,7 +186,8 @@ CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-pp"] = dict(_HELD, held_norm=3, held_prepo
 # (``benchmarks/probe_mhc_pre_diag.py --unmeasured`` times them against the default; ``run_gpu.sh mhc_unmeasured``).
 # Runs 182-183 measured all of them before these.
 UNMEASURED: tuple[str, ...] = ("wg1-split-v2-ml-pk-dd-xh-hn4", "wg1-split-v2-ml-pk-dd-xh-hn5",
-                                "wg1-split-v2-ml-pk-dd-xh-hn6", "wg1-split-v2-ml-pk-dd-xh-hn3-pp")
+                                "wg1-split-v2-ml-pk-dd-xh-hn6", "wg1-split-v2-ml-pk-dd-xh-hn3-pp",
+                                "wg1-split-v2-ml-pk-dd-xh-hn3-mc", "wg1-split-v2-ml-pk-dd-xh-hn3-mc4")
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
 _ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-ml-pk-dd-xh-hn3")
 if _ENV_CONFIG not in CONFIGS:
@@ -213,6 +220,11 @@ def partials(h, pre_prev, sliced, weight, eps: float, *, config: dict | None = N
     dev = h.device
     if groups is None:
         groups = groups_for(torch.cuda.get_device_properties(dev).multi_processor_count)
+        groups -= groups % max(1, cfg.get("hi_multicast", 0))  # a cluster's CTAs are in consecutive groups
+    n = cfg.get("hi_multicast", 0)
+    if n and (groups < n or groups % n):
+        raise ValueError(f"TileLang mhc_pre: hi_multicast clusters CTAs of {n} groups, got {groups} groups (at least "
+                         f"{16 * n} SMs are needed)")
     bm = BM * cfg["wgs"]
     nrb = -(-m // bm)
     f32 = dict(dtype=torch.float32, device=dev)

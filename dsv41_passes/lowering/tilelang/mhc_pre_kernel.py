@@ -159,6 +159,21 @@ __device__ __forceinline__ void dsv41_norm_bf16x8(void* x8, const float* w8, flo
 }
 """
 
+def cluster_slot(cta, n: int, slices: int = NUM_SLICES):
+    """``hi_multicast`` n: (K slice, group, cluster rank) of CTA ``cta``. Cluster ``p = cta // n`` takes slice
+    ``p % slices`` in groups ``n (p // slices)`` (rank 0) to ``n (p // slices) + n - 1``. Ints or TileLang
+    expressions."""
+    p = cta // n
+    return p % slices, p // slices * n + cta % n, cta % n
+
+
+def walked_blocks(nrb, g, rank, groups: int):
+    """``hi_multicast``: the row blocks a CTA of group ``g`` and cluster rank ``rank`` walks, its rank 0's count
+    (of blocks g - rank, g - rank + groups, ... of the ``nrb``): the last may be past M for a rank above 0. Ints or
+    TileLang expressions (at most 0 where rank 0's group >= nrb)."""
+    return (nrb - g + rank + groups - 1) // groups
+
+
 @contextlib.contextmanager
 def _n24():
     """Let TileLang emit ``wgmma m64n24k16`` for the 24 mix columns (it picks n8 for N % 16 == 8,
@@ -182,7 +197,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
           vec_wgs: int = 1, x_hints: bool = False, norm_wg: bool = False, norm_warps: int = 2,
           norm_w_smem: bool = False, diag: str = "", norm_prepoll: bool = False, dots_defer: bool = False,
           xss_by_row: bool = False, boundary: bool = False, post_tma_store: bool = False, packed_cvt: bool = False,
-          ml48: bool = False, held_norm: int = 0, held_prepoll: bool = False):
+          ml48: bool = False, held_norm: int = 0, held_prepoll: bool = False, hi_multicast: int = 0):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
@@ -217,7 +232,12 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     roles, two vector warpgroups, ``packed_cvt``, no normalizing warps): the vector role keeps its rows' collapse of a
     block in registers and normalizes it during the next block, reading its rsqrt at step k (``mhc_pre_heldnorm``;
     registers by ``setmaxnreg``: ``HELD_REGS``); ``held_prepoll`` (``held_norm`` >= 2): that rsqrt's first poll issued a
-    step earlier.
+    step earlier; ``hi_multicast`` n (2 or 4; with ``held_norm``, ``ml48``, ``dots_defer``, ``groups`` a multiple of n;
+    not the boundary): the n CTAs of a thread block cluster take the same K slice in n consecutive groups, and rank 0
+    loads each step's streamed hi part into all of them by TMA multicast (1/n of the weight stream's L2 reads); all
+    walk rank 0's row blocks (another rank's last may be past M: no x copies, nothing published or stored), and each
+    stage's ``empty`` counts its own consumers and one arrival from each warp of each other CTA's
+    (``mhc_pre_macros.release``).
     ``diag`` (probe builds only, ``benchmarks/probe_mhc_pre_diag.py``; comma-separated): "timers" has the first thread
     of each role (producer, normalizing warps, dots, vector) count clock64 cycles waiting on its barriers and in all,
     written over xss at the end (in the partial layout); "nonorm", "novec", "nodots" and "noxstore" drop that work,
@@ -263,6 +283,11 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                          "warpgroups and packed_cvt, without the normalizing warps")
     if held_prepoll and held_norm < 2:
         raise ValueError("TileLang mhc_pre: held_prepoll polls a step before the rsqrt's: held_norm >= 2")
+    hi_multicast = int(hi_multicast)
+    if hi_multicast and not (hi_multicast in (2, 4) and held_norm and ml48 and dots_defer and not boundary
+                             and groups % hi_multicast == 0):
+        raise ValueError(f"TileLang mhc_pre: hi_multicast {hi_multicast} (2 or 4 CTAs) needs held_norm, ml48 and "
+                         f"dots_defer, groups a multiple of it (got {groups}) and no boundary")
     if (norm_w_smem or norm_prepoll) and not norm_wg:
         raise ValueError("TileLang mhc_pre: norm_w_smem and norm_prepoll are for the normalizing warps (norm_wg)")
     nt = 32 * norm_warps  # the normalizing threads (``norm_wg``): the producer warpgroup's last ones
@@ -293,7 +318,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         nt=nt, nring=nring, flags=flags, norm_w_smem=norm_w_smem, norm_prepoll=norm_prepoll, nmix=NMIX, stages=stages,
         xss_by_row=xss_by_row, HC=HC, lag=lag, tpr=tpr, boundary=boundary, dots_defer=dots_defer, norm_wg=norm_wg,
         producer=producer, post_tma_store=post_tma_store, packed_cvt=packed_cvt, ml48=ml48, held_norm=held_norm,
-        held_prepoll=held_prepoll)
+        held_prepoll=held_prepoll, hi_multicast=hi_multicast)
     mc = kernel_macros(T, geo)
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
     issue, resident, normalize_blocks = mc.issue, mc.resident, mc.normalize_blocks
@@ -304,15 +329,19 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
 
     consumer = consumer_loops(T, geo, mc)
 
+    launch = dict(cluster_dims=(hi_multicast, 1, 1)) if hi_multicast else {}
     prelude = (X_HINTS_SOURCE if x_hints else "") + (LD4_RELAXED_SOURCE if xss_by_row else "") + (
         PACKED_CVT_SOURCE if packed_cvt else "") or None
 
     @T.macro
     def body(h, whi, wmid, wlo, pre_prev, nw, x, ws, ss, xss, io_post):
         """The kernel; ``io_post``: ``mhc_boundary``'s extra tensors (y, post, comb, new_res) or None."""
-        with T.Kernel(groups * S, threads=threads, prelude=prelude) as cta:
-            s = cta % S
-            g = cta // S
+        with T.Kernel(groups * S, threads=threads, prelude=prelude, **launch) as cta:
+            if hi_multicast:
+                s, g, rank = cluster_slot(cta, hi_multicast, S)
+            else:
+                s = cta % S
+                g = cta // S
             # resident parts, one [24, DS] tile a stream (laid out as DS/32 swizzled [24, 32] chunks)
             if ml48:  # [mid; lo], one [48, DS] tile a stream; hi streams with the stage (in lo0..lo3)
                 md0 = T.alloc_shared((2 * NMIX, ds), bf16)
@@ -346,7 +375,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
             lo3 = T.alloc_shared((stages * rings, NMIX, bk), bf16)
             full = T.alloc_barrier([32 if producer else threads] * (stages * rings))
             wbar = T.alloc_barrier([32 if producer else threads])
-            if producer:
+            if hi_multicast:  # released by this CTA's consumers and one thread of each warp of the others'
+                empty = T.alloc_cluster_barrier([consumers + (hi_multicast - 1) * consumers // 32] * stages)
+            elif producer:
                 empty = T.alloc_barrier([consumers // rings] * (stages * rings))
             if norm_wg:  # a row block's x stored by the vector role / normalized by warps 2-3
                 xdone = T.alloc_barrier([128 * vec_wgs] * nring)
@@ -393,6 +424,11 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
             nrb = T.ceildiv(m, bm)
             nloc = T.ceildiv(nrb - g, groups)  # row blocks of this CTA (0 when g >= nrb)
             total = nloc * nc
+            # row blocks it walks: with hi_multicast rank 0's (another rank's last may be past M, then it only takes
+            # part in the copies); the loops get nwalk, the rest nloc
+            nwalk = walked_blocks(nrb, g, rank, groups) if hi_multicast else nloc
+            # (with a cluster barrier TileLang syncs the cluster after the barriers' initialization: neither CTA
+            # arrives on the other's barriers before they are initialized; the build test checks it)
 
             if producer:
                 if tx < 128:
@@ -406,13 +442,13 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                         ring = tx // 32 if rings > 1 else 0
                         base = ring * stages if rings > 1 else 0
                         timers_start(tm)
-                        for q in T.serial(ring_blocks(nloc, ring) * nc):
+                        for q in T.serial(ring_blocks(nwalk, ring) * nc):
                             st = base + q % stages
                             if q >= stages:  # use n of a stage waits for the release of use n - 1
                                 timed_wait(empty, st, ((q // stages) + 1) % 2, tm, tc, 0)
                             issue(h, whi if ml48 else wlo, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds,
                                   full, ring,
-                                  io_post[0] if boundary else None, ys if boundary else None)
+                                  io_post[0] if boundary else None, ys if boundary else None, q // nc < nloc)
                         timers_write(xss, g, s, 0, tx, tm)  # (wait on empty, -, total)
                     if norm_wg and tx >= 128 - nt:
                         normalize_blocks(x, nw, w_s, xss, s, g, nloc, tx - (128 - nt), xdone, xfree, xr, wr, pv,
@@ -438,16 +474,17 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                     xdone=xdone if norm_wg else None, xfree=xfree if norm_wg else None,
                     regs=(sq, xq, pr, hv0, hv1, hv2, hv3, xo, xn, wv, pv, red, prn, xf), tm=tm, tc=tc,
                     ready=ready if boundary else None, ys=ys if boundary else None, post=io_post,
-                    post_regs=post_regs if boundary else None, held=held if held_norm else None)
+                    post_regs=post_regs if boundary else None, held=held if held_norm else None, nloc=nloc,
+                    rank=rank if hi_multicast else None)
                 if split_roles:  # warpgroup 1 issues the dots, warpgroup 2 (and 3) does the rest
                     if tx < 256:
                         if held_norm:
                             T.set_max_nreg(HELD_REGS[1], 0)
-                        consumer(0, "mma")(nloc, frags[0], tx - 128, b)
+                        consumer(0, "mma")(nwalk, frags[0], tx - 128, b)
                     if tx >= 256:
                         if held_norm:
                             T.set_max_nreg(HELD_REGS[2], 1)
-                        consumer(0, "vec")(nloc, frags[0], tx - 256, b)
+                        consumer(0, "vec")(nwalk, frags[0], tx - 256, b)
                 elif rings == 1:
                     consumer(0)(nloc, frags[0], tx - 128 if producer else tx, b)
                 else:  # warpgroup 1 takes the CTA's even row blocks, warpgroup 2 the odd ones
@@ -455,6 +492,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                         consumer(0)(ring_blocks(nloc, 0), frags[0], tx - 128, b)
                     if tx >= 256:
                         consumer(1)(ring_blocks(nloc, 1), frags[1], tx - 256, b)
+            if hi_multicast:
+                T.cluster_sync()  # neither CTA leaves while the other may still arrive on its barriers or copy into it
 
     rows = T.ceildiv(m, bm) * wgs * S * BM  # of the partial buffers
     nmid = 2 * NMIX if ml48 else NMIX  # rows of a stream's resident mid tile ([mid; lo] with ml48)

@@ -18,6 +18,7 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
         g.nrun, g.vals, g.run_col, g.x_hints, g.mid_resident, g.lead, g.nt, g.nring)
     flags, norm_w_smem, norm_prepoll, nmix, stages = g.flags, g.norm_w_smem, g.norm_prepoll, g.nmix, g.stages
     xss_by_row, packed_cvt, ml48, post_tma_store = g.xss_by_row, g.packed_cvt, g.ml48, g.post_tma_store
+    hi_multicast = g.hi_multicast
     timers = "timers" in flags
     bf16, f32 = "bfloat16", "float32"
 
@@ -250,6 +251,18 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
             T.atomic_store(xss[xslot(rb, r, s)], xq[0], memory_order="relaxed")
 
     @T.macro
+    def release(empty, st, lt, rank):
+        """A consumer thread is done with stage st: its arrival, and with ``hi_multicast`` (rank 0 copies into every
+        CTA's stage of the cluster) its warp's one arrival on each other CTA's barrier once every lane is (``lt``: the
+        thread's index in its role, a multiple of 32 at a warp's start; ``rank``: this CTA's in the cluster)."""
+        T.mbarrier_arrive(empty[st])
+        if hi_multicast:
+            T.sync_warp()
+            if lt % 32 == 0:
+                for o in T.unroll(1, hi_multicast):
+                    T.mbarrier_arrive(empty[st], (rank + o) % hi_multicast)
+
+    @T.macro
     def dots_deferred(nloc, fr, lt, b):
         """``dots_defer``: the dots' warpgroup of split roles (one ring, a producer) with each step's last wgmma
         groups in flight into the next step, so the tensor cores do not idle while the warps sum the hi parts,
@@ -288,10 +301,14 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                     acc_hi[i, n] = T.ieee_add(
                         T.ieee_add(T.ieee_add(T.ieee_add(acc_hi[i, n], sh0[i, n]), sh1[i, n]), sh2[i, n]), sh3[i, n])
                 if c > 0:
-                    T.mbarrier_arrive(b.empty[(t - 1) % stages])
+                    release(b.empty, (t - 1) % stages, lt, b.rank)
             T.wait_wgmma(0)
-            T.mbarrier_arrive(b.empty[(j * nc + nc - 1) % stages])
-            publish(ws, gi + j * groups, s, fr)
+            release(b.empty, (j * nc + nc - 1) % stages, lt, b.rank)
+            if hi_multicast:  # (nloc is rank 0's: a block past M publishes nothing)
+                if j < b.nloc:
+                    publish(ws, gi + j * groups, s, fr)
+            else:
+                publish(ws, gi + j * groups, s, fr)
         timers_write(xss, gi, s, 6, lt, b.tm)  # (wait on full, -, total)
 
     @T.macro
@@ -414,13 +431,9 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
             post_global(b, row, col, hf)
 
     @T.macro
-    def issue(h, wlo, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds, full, ring=0, y=None, ys=None):
-        """TMA of step q of ``ring`` (row block g + j * groups with j = (q // nc) * rings + ring, chunk q % nc)
-        into stage st; every thread arrives (the elected leader first adds the expected bytes). The residual is
-        read once: evict it first, so the un-normalized collapse stays in L2 until its normalization."""
-        rq = (g + ((q // nc) * rings + ring if rings > 1 else q // nc) * groups) * bm
-        cq = q % nc
-        colq = s * ds + cq * bk
+    def residual_copies(h, rq, colq, st, a0, a1, a2, a3, full):
+        """TMA of the four streams' [bm, 32] chunk at row rq, column colq of each stream, into stage st. The residual
+        is read once: evict it first, so the un-normalized collapse stays in L2 until its normalization."""
         T.tma_copy(h[rq:rq + bm, 0 * d + colq:0 * d + colq + bk], a0[st, :, :], barrier=full[st],
                    eviction_policy="evict_first", leader_scope_threads=lead)
         T.tma_copy(h[rq:rq + bm, 1 * d + colq:1 * d + colq + bk], a1[st, :, :], barrier=full[st],
@@ -429,11 +442,32 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                    eviction_policy="evict_first", leader_scope_threads=lead)
         T.tma_copy(h[rq:rq + bm, 3 * d + colq:3 * d + colq + bk], a3[st, :, :], barrier=full[st],
                    eviction_policy="evict_first", leader_scope_threads=lead)
+
+    @T.macro
+    def issue(h, wlo, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds, full, ring=0, y=None, ys=None,
+              real=True):
+        """TMA of step q of ``ring`` (row block g + j * groups with j = (q // nc) * rings + ring, chunk q % nc)
+        into stage st; every thread arrives (the elected leader first adds the expected bytes). With
+        ``hi_multicast`` the residual only where the row block is ``real`` (not past M), and the streamed part by
+        rank 0 of the cluster into every CTA of it (each CTA expects its bytes)."""
+        rq = (g + ((q // nc) * rings + ring if rings > 1 else q // nc) * groups) * bm
+        cq = q % nc
+        colq = s * ds + cq * bk
+        if hi_multicast:
+            if real:
+                residual_copies(h, rq, colq, st, a0, a1, a2, a3, full)
+        else:
+            residual_copies(h, rq, colq, st, a0, a1, a2, a3, full)
+        mask = (1 << hi_multicast) - 1 if hi_multicast else None
         if "nowstream" not in flags:  # (diag: the streamed weight part left out, its L2 reads with it)
-            T.tma_copy(wlo[s, 0, :, cq * bk:(cq + 1) * bk], lo0[st, :, :], barrier=full[st], leader_scope_threads=lead)
-            T.tma_copy(wlo[s, 1, :, cq * bk:(cq + 1) * bk], lo1[st, :, :], barrier=full[st], leader_scope_threads=lead)
-            T.tma_copy(wlo[s, 2, :, cq * bk:(cq + 1) * bk], lo2[st, :, :], barrier=full[st], leader_scope_threads=lead)
-            T.tma_copy(wlo[s, 3, :, cq * bk:(cq + 1) * bk], lo3[st, :, :], barrier=full[st], leader_scope_threads=lead)
+            T.tma_copy(wlo[s, 0, :, cq * bk:(cq + 1) * bk], lo0[st, :, :], barrier=full[st], leader_scope_threads=lead,
+                       cluster_mask=mask)
+            T.tma_copy(wlo[s, 1, :, cq * bk:(cq + 1) * bk], lo1[st, :, :], barrier=full[st], leader_scope_threads=lead,
+                       cluster_mask=mask)
+            T.tma_copy(wlo[s, 2, :, cq * bk:(cq + 1) * bk], lo2[st, :, :], barrier=full[st], leader_scope_threads=lead,
+                       cluster_mask=mask)
+            T.tma_copy(wlo[s, 3, :, cq * bk:(cq + 1) * bk], lo3[st, :, :], barrier=full[st], leader_scope_threads=lead,
+                       cluster_mask=mask)
         if not mid_resident:
             T.tma_copy(wmid[s, :, :, cq * bk:(cq + 1) * bk], mds[st, :, :, :], barrier=full[st],
                        leader_scope_threads=lead)
@@ -520,5 +554,5 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                            post_weights=post_weights, post_chunk=post_chunk, post_global=post_global,
                            post_store=post_store, publish_sums=publish_sums, collapsed=collapsed,
                            block_start=block_start, sums_collapse=sums_collapse, post_step=post_step,
-                           poll_issue=poll_issue,
+                           poll_issue=poll_issue, release=release,
                            timers_start=timers_start, timers_write=timers_write)
