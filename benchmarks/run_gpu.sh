@@ -4,7 +4,9 @@
 # Stages (default: env tests mhc rope_store wo_a guards); also quick (benchmarks/quick_check.py),
 # guards_layer, prefill (examples/03_prefill_benchmark.py), run_all (benchmarks/run_all.py), and for the TileLang mhc_pre
 # configs not yet run on a GPU (mhc_pre.UNMEASURED) and its fused boundary: mhc_unmeasured (timed in turn with the
-# default, with clock64 timers), mhc_unmeasured_tests (their bits, and the fused boundary's) and mhc_boundary_probe.
+# default, with clock64 timers), mhc_unmeasured_tests (their bits, and the fused boundary's) and mhc_boundary_probe;
+# mhc_cluster takes the cluster builds among them (hi_multicast) one at a time, their probe and bits each in its own
+# process with a short limit (a barrier that never completes costs that process only).
 # Each stage runs in its own process with a time limit and the run goes on when one fails; logs and JSON land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/dsv41-out}
@@ -26,6 +28,10 @@ run() {  # name, limit seconds, command...
   echo "=== $name rc=$rc $((SECONDS - t0))s"
   tail -n 40 "$OUT/$name.log"
 }
+unmeasured() {  # the mhc_pre.UNMEASURED configs, "plain" or "cluster" (hi_multicast) ones
+  python3 -c "import sys; from dsv41_passes.lowering.tilelang import mhc_pre as t
+print(' '.join(n for n in t.UNMEASURED if bool(t.CONFIGS[n].get('hi_multicast')) == (sys.argv[1] == 'cluster')))" "$1"
+}
 for s in $stages; do
   case $s in
     env) run env 60 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name()); import tilelang; print('tilelang', tilelang.__version__)" ;;
@@ -39,13 +45,21 @@ for s in $stages; do
     prefill) run prefill ${PREFILL_LIMIT:-330} python3 examples/03_prefill_benchmark.py --json "$OUT/prefill.json" \
                --budget-s ${PREFILL_BUDGET:-200} ;;
     mhc_unmeasured) run mhc_unmeasured ${UNMEASURED_LIMIT:-300} python3 benchmarks/probe_mhc_pre_diag.py \
-                      ${UNMEASURED_MS:-65536,16384,4096} --unmeasured --with-timers ;;
+                      ${UNMEASURED_MS:-65536,16384,4096} $(unmeasured plain) --with-timers ;;
     mhc_unmeasured_tests)
-      k=$(python3 -c "from dsv41_passes.lowering.tilelang import mhc_pre as t; print(' or '.join([*t.UNMEASURED, 'fused_boundary']))")
+      k=$(unmeasured plain | sed 's/ / or /g')
+      k="${k:+$k or }fused_boundary"
       run mhc_unmeasured_tests ${TESTS_LIMIT:-300} python3 -m pytest -q -m gpu tests/lowering/test_mhc_pre_tilelang.py \
         -n ${JOBS:-4} -p no:cacheprovider -rfE -k "$k" ;;
     mhc_boundary_probe) run mhc_boundary_probe ${BOUNDARY_LIMIT:-240} python3 benchmarks/probe_mhc_boundary.py \
                           --no-fused --no-post-collapse --tilelang ${BOUNDARY_MS:-65536 16384 4096} ;;
+    mhc_cluster)
+      for n in $(unmeasured cluster); do
+        run "mhc_cluster_$n" ${CLUSTER_LIMIT:-150} python3 benchmarks/probe_mhc_pre_diag.py \
+          ${UNMEASURED_MS:-65536,16384,4096} "$n"
+        run "mhc_cluster_tests_$n" ${CLUSTER_LIMIT:-150} python3 -m pytest -q -m gpu tests/lowering/test_mhc_pre_tilelang.py \
+          -p no:cacheprovider -rfE -k "$n]"
+      done ;;
     run_all) run run_all ${RUN_ALL_LIMIT:-560} python3 benchmarks/run_all.py --out "$OUT" ${RUN_ALL_ARGS:-} ;;
     *) echo "unknown stage $s" ;;
   esac
