@@ -1,4 +1,5 @@
-"""Why do the mHC stats/collapse patterns (not) match on this device? Prints the report and the graph around the projection."""
+"""Why do the mHC stats/collapse patterns (not) match on this device? Prints the report and the graph around the
+projection."""
 
 import re
 import sys
@@ -22,7 +23,8 @@ def unit(h, pre_prev, fn, scale, base, w):
 
 
 m = 33
-args = (torch.randn(m, 4, d, device=dev).bfloat16(), torch.rand(m, 4, device=dev), torch.randn(24, 4 * d, device=dev) / 64,
+args = (torch.randn(m, 4, d, device=dev).bfloat16(), torch.rand(m, 4, device=dev),
+        torch.randn(24, 4 * d, device=dev) / 64,
         torch.rand(3, device=dev), torch.randn(24, device=dev), torch.rand(d, device=dev))
 dp.compile(unit, dp.PassConfig())(*args)
 rep = dp.last_report()

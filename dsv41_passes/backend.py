@@ -20,7 +20,8 @@ from .report import RewriteReport, publish, reports
 
 
 def inductor_options(config: PassConfig | None = None) -> dict[str, Any]:
-    """Inductor config patches installing the passes (``torch.compile(options=...)``, ``compile_fx(config_patches=...)``).
+    """Inductor config patches installing the passes (``torch.compile(options=...)``,
+    ``compile_fx(config_patches=...)``).
 
     In batch-invariant mode Inductor's own ``deterministic`` / ``batch_invariant``
     switches are set too, where this torch has them. With ``dump_dir`` the FX graph

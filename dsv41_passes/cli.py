@@ -90,7 +90,9 @@ def _inspect(args: argparse.Namespace) -> int:
             for u, v in region.edges():
                 f.write(f'  "{u}" -> "{v}";\n')
             f.write("}\n")
-        print(f"wrote graphs, patterns, report and the rewritten region ({region.number_of_nodes()} nodes) to {args.dump}")
+        print(
+            f"wrote graphs, patterns, report and the rewritten region ({region.number_of_nodes()} nodes) to {args.dump}"
+        )
     return 0
 
 

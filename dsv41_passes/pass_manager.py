@@ -142,7 +142,9 @@ class PostGradPassManager(CustomGraphPass):
                     status="rewritten" if rewritten else "skipped",
                     provider=site.provider if rewritten else None,
                     op=site.fused_into or site.kind,
-                    reason="; ".join(filter(None, [site.note, *site.reasons])) if rewritten else "; ".join(site.reasons),
+                    reason=(
+                        "; ".join(filter(None, [site.note, *site.reasons])) if rewritten else "; ".join(site.reasons)
+                    ),
                     source=site.source,
                 )
             )

@@ -10,7 +10,9 @@ EMULATE = {"emulate_precision_casts": True}  # Inductor rounds like eager: compi
 
 
 def tiny_model(max_num_tokens: int = 1024, **overrides) -> DeepseekV41ForCausalLM:
-    return DeepseekV41ForCausalLM(DeepseekV41Config.tiny(**overrides), max_num_tokens=max_num_tokens, max_num_seqs=8).eval()
+    return DeepseekV41ForCausalLM(
+        DeepseekV41Config.tiny(**overrides), max_num_tokens=max_num_tokens, max_num_seqs=8
+    ).eval()
 
 
 def packed(lengths, vocab: int = 256, seed: int = 0):
@@ -38,7 +40,9 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(a)) - 7)
 
 
-def assert_within_ulps(out: torch.Tensor, ref64: torch.Tensor, ulps: float = 1.0, floor: torch.Tensor | None = None) -> None:
+def assert_within_ulps(
+    out: torch.Tensor, ref64: torch.Tensor, ulps: float = 1.0, floor: torch.Tensor | None = None
+) -> None:
     """|out - ref| <= ulps * ulp_bf16(ref) (+ floor) elementwise (ref in float64).
 
     ``floor`` carries the fp32 arithmetic error where terms cancel: there the exact result is

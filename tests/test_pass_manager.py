@@ -23,13 +23,18 @@ def _uuid(config=None):
 def _run(code: str, env: dict | None = None) -> str:
     e = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     e.update(env or {})
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=e, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=e, timeout=600
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
 
 
 def test_uuid_stable_across_processes():
-    code = "import dsv41_passes as dp; print(dp.pass_manager.PostGradPassManager(dp.PassConfig(batch_invariant=False)).uuid())"
+    code = (
+        "import dsv41_passes as dp; "
+        "print(dp.pass_manager.PostGradPassManager(dp.PassConfig(batch_invariant=False)).uuid())"
+    )
     a = _run(code).strip()
     b = _run(code).strip()
     assert a == b == _uuid()
@@ -109,7 +114,9 @@ def test_fx_graph_cache_hit_keeps_the_report(tmp_path):
 
 def test_dump_dir_writes_graphs_patterns_and_report(tmp_path, monkeypatch):
     def block(y, res, post, comb):
-        return (torch.einsum("mjk,mjd->mkd", comb, res.float()) + post.unsqueeze(-1) * y.unsqueeze(1)).to(torch.bfloat16)
+        return (torch.einsum("mjk,mjd->mkd", comb, res.float()) + post.unsqueeze(-1) * y.unsqueeze(1)).to(
+            torch.bfloat16
+        )
 
     args = (torch.randn(5, 16).bfloat16(), torch.randn(5, 4, 16).bfloat16(), torch.rand(5, 4), torch.rand(5, 4, 4))
     # A warm FX graph cache holding this very graph (compiled without a dump) must not skip the dump.

@@ -21,7 +21,9 @@ def _clean(monkeypatch):
 
 
 def test_buckets():
-    assert [tuning.bucket(m) for m in (1, 2, 3, 4, 5, 4096, 4097, 65536, 70000)] == [1, 2, 4, 4, 8, 4096, 8192, 65536, 65536]
+    assert [tuning.bucket(m) for m in (1, 2, 3, 4, 5, 4096, 4097, 65536, 70000)] == [
+        1, 2, 4, 4, 8, 4096, 8192, 65536, 65536
+    ]
     assert tuning.buckets(16) == [1, 2, 4, 8, 16] and tuning.buckets()[-1] == 65536
 
 
@@ -60,7 +62,9 @@ def test_metadata_mismatch_is_rejected_with_a_warning(tmp_path):
         assert tuning.entries() == {}
 
 
-@pytest.mark.parametrize("text", ["{not json", json.dumps({"meta": {}}), json.dumps([1, 2]), json.dumps({"meta": {}, "entries": {"k": 3}})])
+@pytest.mark.parametrize(
+    "text", ["{not json", json.dumps({"meta": {}}), json.dumps([1, 2]), json.dumps({"meta": {}, "entries": {"k": 3}})]
+)
 def test_corrupt_file_is_rejected_never_a_crash(tmp_path, text):
     p = tmp_path / "c.json"
     p.write_text(text)
@@ -118,7 +122,10 @@ def test_warmup_compiles_and_tunes_every_op_without_running_the_model(monkeypatc
     cfg = DeepseekV41Config.tiny()
     with dp.batch_invariant(True):
         chosen = dp.warmup(cfg, max_tokens=2, device="cpu", progress=False)
-    ops = {"mhc_post", "mhc_stats", "mhc_collapse", "mhc_pre", "mhc_boundary", "q_rope_store", "kv_rope_quant_store", "wo_a"}
+    ops = {
+        "mhc_post", "mhc_stats", "mhc_collapse", "mhc_pre", "mhc_boundary",
+        "q_rope_store", "kv_rope_quant_store", "wo_a",
+    }
     assert ops <= set(chosen) and all(list(v) == [1, 2] for v in chosen.values())
     assert tuning.entries() == {}  # batch-invariant mode: defaults only, nothing tuned
     chosen = dp.warmup(cfg, max_tokens=2, device="cpu", progress=False)

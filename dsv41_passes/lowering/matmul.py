@@ -25,7 +25,9 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 def _check_mm(a: torch.Tensor, b: torch.Tensor, batched: bool) -> None:
     rank = 3 if batched else 2
     if a.dim() != rank or b.dim() != rank:
-        raise ValueError(f"bi_{'b' if batched else ''}mm: operands must be {rank}-D, got {tuple(a.shape)} and {tuple(b.shape)}")
+        raise ValueError(
+            f"bi_{'b' if batched else ''}mm: operands must be {rank}-D, got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
     if a.shape[-1] != b.shape[-2] or (batched and a.shape[0] != b.shape[0]):
         raise ValueError(f"bi_{'b' if batched else ''}mm: shapes {tuple(a.shape)} and {tuple(b.shape)} do not multiply")
     if a.dtype != b.dtype or a.dtype not in _FLOATS:

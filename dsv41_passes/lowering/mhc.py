@@ -68,7 +68,9 @@ def check_stats_args(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
     _check(tuple(base.shape) == (nmix,), f"mhc_stats: base must be [{nmix}], got {tuple(base.shape)}")
     _check(tuple(scale.shape) == (3,), f"mhc_stats: scale must be [3], got {tuple(scale.shape)}")
     _check(fn.dtype == scale.dtype == base.dtype == torch.float32, "mhc_stats: fn, scale and base must be float32")
-    _check(h.dtype in (torch.bfloat16, torch.float16, torch.float32), f"mhc_stats: unsupported residual dtype {h.dtype}")
+    _check(
+        h.dtype in (torch.bfloat16, torch.float16, torch.float32), f"mhc_stats: unsupported residual dtype {h.dtype}"
+    )
     devs = {t.device for t in (h, fn, scale, base)}
     _check(len(devs) == 1, f"mhc_stats: all inputs must be on one device, got {sorted(map(str, devs))}")
 
@@ -121,7 +123,9 @@ def check_collapse_args(h: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor
     _check(len(devs) == 1, f"mhc_collapse: all inputs must be on one device, got {sorted(map(str, devs))}")
 
 
-def collapse_norm_reference(h: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+def collapse_norm_reference(
+    h: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None, eps: float
+) -> torch.Tensor:
     from ..reference.model import rms_norm
 
     x = ref.hc_collapse(h, pre)
@@ -186,12 +190,15 @@ def mhc_boundary(
     check_stats_args(res, fn, scale, base)
     check_collapse_args(res, pre_prev, weight)
     return dispatch(
-        "mhc_boundary", providers, mode, y, res, post, comb, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps
+        "mhc_boundary", providers, mode, y, res, post, comb, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps,
+        eps,
     )
 
 
 @mhc_boundary.register_fake
-def _mhc_boundary_fake(y, res, post, comb, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, providers, mode):
+def _mhc_boundary_fake(
+    y, res, post, comb, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, providers, mode
+):
     return (res.new_empty(res.shape), res.new_empty((res.shape[0], res.shape[2])), *_stats_out(res))
 
 

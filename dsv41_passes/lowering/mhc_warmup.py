@@ -28,7 +28,10 @@ def tunables(config, device=None) -> list:
     def weights(dev):
         g = torch.Generator().manual_seed(0)
         fn = (torch.randn(config.mix_hc, n * d, generator=g) / (n * d) ** 0.5).to(dev)
-        return fn, build_parts(fn), torch.ones(3, device=dev), torch.zeros(config.mix_hc, device=dev), torch.ones(d, device=dev)
+        return (
+            fn, build_parts(fn), torch.ones(3, device=dev), torch.zeros(config.mix_hc, device=dev),
+            torch.ones(d, device=dev),
+        )
 
     def res(m, dev):
         return torch.randn(m, n, d, device=dev).to(torch.bfloat16)

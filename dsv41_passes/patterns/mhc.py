@@ -78,7 +78,9 @@ def _post_check(v) -> str | None:
         want_dtype("comb", comb, F32),
         None if isinstance(n, int) and 1 <= n <= 8 else f"hc_mult {n} outside [1, 8]",
         None if same(y.shape[0], m) and same(y.shape[1], d) else f"y {tuple(y.shape)} vs res {tuple(res.shape)}",
-        None if same(post.shape[1], n) and same(comb.shape[1], n) and same(comb.shape[2], n) else "post/comb width != hc_mult",
+        None
+        if same(post.shape[1], n) and same(comb.shape[1], n) and same(comb.shape[2], n)
+        else "post/comb width != hc_mult",
         is_contiguous_rows("res", res),
     )
 

@@ -130,7 +130,9 @@ def fuse_pre(graph: fx.Graph, ctx: PassContext) -> int:
             continue
         _, fn, scale, base, iters, hc_eps, norm_eps, providers, mode = stats.args
         args = (h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, providers, mode)
-        node, gets = _emit(graph, OPS.mhc_pre.default, args, _latest(graph, [h, pre_prev, fn, scale, base, weight]), stats)
+        node, gets = _emit(
+            graph, OPS.mhc_pre.default, args, _latest(graph, [h, pre_prev, fn, scale, base, weight]), stats
+        )
         _replace(graph, ctx, node, gets, single=col, multi=stats, op_name="mhc_pre")
         n += 1
     return n

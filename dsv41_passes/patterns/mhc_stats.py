@@ -90,7 +90,10 @@ class _Walk:
 
 def _flat_residual(w: _Walk, x: fx.Node, n: int, k: int) -> fx.Node:
     """xf = h.reshape(M, K).float() or h.float().reshape(M, K); returns xf, binds h."""
-    _need(_is(x, prims.convert_element_type.default, aten.reshape.default), "projection input is not the flattened residual")
+    _need(
+        _is(x, prims.convert_element_type.default, aten.reshape.default),
+        "projection input is not the flattened residual",
+    )
     if x.target == prims.convert_element_type.default:
         _need(x.args[1] == torch.float32, "projection input is not upcast to float32")
         r = x.args[0]
@@ -105,7 +108,10 @@ def _flat_residual(w: _Walk, x: fx.Node, n: int, k: int) -> fx.Node:
         w.add(x, c)
     hv = _val(h)
     _need(isinstance(hv, torch.Tensor) and hv.dim() == 3, "residual is not [M, n, d]")
-    _need(same(hv.shape[1], n) and same(hv.shape[1] * hv.shape[2], k), f"residual {tuple(hv.shape)} does not flatten to K={k} with n={n}")
+    _need(
+        same(hv.shape[1], n) and same(hv.shape[1] * hv.shape[2], k),
+        f"residual {tuple(hv.shape)} does not flatten to K={k} with n={n}",
+    )
     _need(hv.dtype == torch.bfloat16, f"residual dtype {hv.dtype}, expected bfloat16")
     w.bind["h"] = h
     return x
@@ -126,7 +132,9 @@ def _rstd(w: _Walk, r: fx.Node, xf: fx.Node, k: Any) -> None:
     else:
         _need(_is(ms, aten.div.Tensor), "RMS statistic is not a mean")
         s = ms.args[0]
-        _need(_is(s, aten.sum.dim_IntList) and _dim_ok(s.args[1], -1, 2), "RMS statistic is not a sum over the last dim")
+        _need(
+            _is(s, aten.sum.dim_IntList) and _dim_ok(s.args[1], -1, 2), "RMS statistic is not a sum over the last dim"
+        )
         _need(isinstance(ms.args[1], (int, float)) and same(ms.args[1], k), "RMS sum is not divided by K")
         sq = s.args[0]
         w.add(ms, s)
@@ -143,11 +151,15 @@ def _affine(w: _Walk, sl: fx.Node, idx: int, lo: int, hi: Any) -> fx.Node:
     m = w.one_user(sl, "mix slice")
     _need(_is(m, aten.mul.Tensor), f"mix slice {idx} is not scaled")
     sel = _scalar(m, sl)
-    _need(_is(sel, aten.select.int) and sel.args[1] == 0 and sel.args[2] == idx, f"mix slice {idx} is not scaled by scale[{idx}]")
+    _need(
+        _is(sel, aten.select.int) and sel.args[1] == 0 and sel.args[2] == idx,
+        f"mix slice {idx} is not scaled by scale[{idx}]",
+    )
     a = w.one_user(m, "scaled mix")
     _need(_is(a, aten.add.Tensor), f"mix slice {idx} has no bias")
     b = _scalar(a, m)
-    _need(_is(b, aten.slice.Tensor) and b.args[1] == 0 and b.args[2] == lo and (b.args[3] == hi or b.args[3] == INT_MAX),
+    _need(_is(b, aten.slice.Tensor) and b.args[1] == 0 and b.args[2] == lo
+          and (b.args[3] == hi or b.args[3] == INT_MAX),
           f"bias of slice {idx} is not base[{lo}:{hi}]")
     for key, node in (("scale", sel.args[0]), ("base", b.args[0])):
         prev = w.bind.setdefault(key, node)
@@ -186,7 +198,10 @@ def _softmax(w: _Walk, logits: fx.Node) -> fx.Node:
     if len(us) == 2:
         amax = next((u for u in us if _is(u, aten.amax.default)), None)
         sub = next((u for u in us if _is(u, aten.sub.Tensor)), None)
-        _need(amax is not None and sub is not None and sub.args == (logits, amax), "softmax max-subtraction not recognised")
+        _need(
+            amax is not None and sub is not None and sub.args == (logits, amax),
+            "softmax max-subtraction not recognised",
+        )
         _need(_dim_ok(amax.args[1], -1, 3) and amax.args[2], "softmax max is not over the last dim")
         e = w.one_user(sub, "softmax shift")
         w.add(amax, sub)
@@ -195,7 +210,10 @@ def _softmax(w: _Walk, logits: fx.Node) -> fx.Node:
     _need(_is(e, aten.exp.default), "softmax exp not found")
     s = next((u for u in e.users if _is(u, aten.sum.dim_IntList)), None)
     d = next((u for u in e.users if _is(u, aten.div.Tensor)), None)
-    _need(len(e.users) == 2 and s is not None and d is not None and d.args == (e, s), "softmax normalisation not recognised")
+    _need(
+        len(e.users) == 2 and s is not None and d is not None and d.args == (e, s),
+        "softmax normalisation not recognised",
+    )
     _need(_dim_ok(s.args[1], -1, 3) and len(s.args) > 2 and s.args[2], "softmax sum is not over the last dim")
     w.add(e, s, d)
     return d
@@ -215,7 +233,9 @@ def _step(w: _Walk, c: fx.Node, eps: float) -> tuple[fx.Node, int] | None:
         return None
     dims = s.args[1]
     _need(len(s.args) > 2 and s.args[2], "Sinkhorn sum drops the reduced dim")
-    _need(isinstance(dims, (list, tuple)) and len(dims) == 1 and dims[0] % 3 in (1, 2), f"Sinkhorn sum over dims {dims}")
+    _need(
+        isinstance(dims, (list, tuple)) and len(dims) == 1 and dims[0] % 3 in (1, 2), f"Sinkhorn sum over dims {dims}"
+    )
     e = _scalar(a, s)
     _need(e == eps, f"Sinkhorn eps {e!r} differs from hc_eps {eps!r}")
     w.add(s, a, d)

@@ -55,7 +55,9 @@ def _scale_name(weight_name: str) -> str:
 
 
 @torch.no_grad()
-def load_checkpoint(model: nn.Module, path: str | os.PathLike[str], strict: bool = True, progress: bool = False) -> None:
+def load_checkpoint(
+    model: nn.Module, path: str | os.PathLike[str], strict: bool = True, progress: bool = False
+) -> None:
     """Copy a checkpoint into ``model`` in place.
 
     Raises :class:`CheckpointError` naming every missing, unexpected or

@@ -257,7 +257,9 @@ def test_committed_prefill_result_normalizes_to_its_own_summary():
     assert len(rows) == 18  # 3 backends x 2 scopes x 3 token counts
     for s in body["summary"]:
         m = s["M"]
-        assert ms[("outside", "inductor", m)] / ms[("outside", "dsv41", m)] == pytest.approx(s["outside_speedup_vs_inductor"])
+        assert ms[("outside", "inductor", m)] / ms[("outside", "dsv41", m)] == pytest.approx(
+            s["outside_speedup_vs_inductor"]
+        )
         assert ms[("layer", "inductor", m)] / ms[("layer", "dsv41", m)] == pytest.approx(s["layer_speedup_vs_inductor"])
     md = run_all.markdown(rows, {"device": "NVIDIA H200", "date": "2026-11-29"})
     assert "| 16384 | dsv41 | 14.22 | 4.308 |" in md

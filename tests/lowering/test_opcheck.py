@@ -15,7 +15,9 @@ def _mhc_args(m=5, d=64):
     fn = torch.randn(24, 4 * d, generator=g) / 16
     sc, base, pre = torch.rand(3, generator=g) + 0.5, torch.randn(24, generator=g), torch.rand(m, 4, generator=g)
     w = torch.rand(d, generator=g) + 0.5
-    y, post, comb = torch.randn(m, d, generator=g).to(BF16), torch.rand(m, 4, generator=g), torch.rand(m, 4, 4, generator=g)
+    y, post, comb = (
+        torch.randn(m, d, generator=g).to(BF16), torch.rand(m, 4, generator=g), torch.rand(m, 4, 4, generator=g)
+    )
     return dict(h=h, fn=fn, sc=sc, base=base, pre=pre, w=w, y=y, post=post, comb=comb)
 
 

@@ -84,7 +84,10 @@ def test_single_file_and_errors(tmp_path, tiny):
 
     noscale = dict(sd, **{"layers.0.attn.wkv.weight": sd["layers.0.attn.wkv.weight"].to(torch.float8_e4m3fn)})
     save_file(noscale, tmp_path / "noscale.safetensors")
-    with pytest.raises(CheckpointError, match=r"layers\.0\.attn\.wkv\.weight is FP8 but its scale tensor layers\.0\.attn\.wkv\.scale is missing"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"layers\.0\.attn\.wkv\.weight is FP8 but its scale tensor layers\.0\.attn\.wkv\.scale is missing",
+    ):
         load_checkpoint(dst, tmp_path / "noscale.safetensors")
 
     with pytest.raises(CheckpointError, match="does not exist"):

@@ -103,7 +103,9 @@ def complex64_reference(x: torch.Tensor, pos: torch.Tensor, inv_freq64: torch.Te
 
 
 @pytest.mark.parametrize("inverse", [False, True])
-@pytest.mark.parametrize("scaling", [None, dict(factor=16, original_max_position_embeddings=64, beta_fast=32, beta_slow=1)])
+@pytest.mark.parametrize(
+    "scaling", [None, dict(factor=16, original_max_position_embeddings=64, beta_fast=32, beta_slow=1)]
+)
 def test_rope_spellings_within_one_ulp_of_float64(inverse, scaling):
     rd, maxpos = 64, 512
     base = 10000.0 if scaling is None else 160000.0

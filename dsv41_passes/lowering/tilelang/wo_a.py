@@ -120,7 +120,7 @@ def build(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN: int, BK:
 
     @T.prim_func
     def wo_a_kernel(
-        O: T.Tensor((M, g * K), bf16),
+        O: T.Tensor((M, g * K), bf16),  # noqa: E741
         W: T.Tensor((N, K), bf16),
         CS: T.Tensor((M, cs_cols), f32),
         Z: T.Tensor((M, N), bf16),
@@ -198,7 +198,7 @@ def build_one_loop(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, BN:
 
     @T.prim_func
     def wo_a_one_loop_kernel(
-        O: T.Tensor((M, g * K), bf16),
+        O: T.Tensor((M, g * K), bf16),  # noqa: E741
         W: T.Tensor((N, K), bf16),
         CS: T.Tensor((M, cs_cols), f32),
         Z: T.Tensor(z_shape, z_dtype),

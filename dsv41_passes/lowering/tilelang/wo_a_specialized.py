@@ -227,7 +227,7 @@ def build_specialized(g: int, r: int, hpg: int, d: int, rope_dim: int, BM: int, 
 
     @T.prim_func
     def wo_a_specialized_kernel(
-        O: T.Tensor((M, g * K), bf16),
+        O: T.Tensor((M, g * K), bf16),  # noqa: E741
         W: T.Tensor((N, K), bf16),
         CS: T.Tensor(cs_shape, cs_dtype),  # de-rotated rope chunks, or the cos/sin table (unread without RoPE)
         Z: T.Tensor((M, N), bf16),
