@@ -9,7 +9,8 @@ the CTAs, thousands of cycles and shares of the role's total; read back from xss
 
 A variant is ``name=JSON`` (options added to the default config) or a ``mhc_pre.CONFIGS`` name (that whole config);
 ``--unmeasured`` adds every config of ``mhc_pre.UNMEASURED``; ``--with-timers`` adds a ``"diag": "timers"`` build of
-every variant (named ``<variant>+t``), the default's included.
+every variant (named ``<variant>+t``), the default's included. ``--op`` times the whole ``mhc_pre`` (the kernel and
+the stats: the Triton finish kernel, or the kernel's own with ``fused_finish``) and compares x, pre, post and comb.
 """
 import json
 import sys
@@ -30,7 +31,7 @@ ROLES = {"producer": ("wait empty", "-", "total"), "norm": ("wait xdone", "polls
 def parse_variants(specs: list[str]) -> dict[str, dict]:
     """The variants of the command line (see the module docstring), "base" (the default config) first."""
     flags = {a for a in specs if a.startswith("--")}
-    unknown = flags - {"--unmeasured", "--with-timers"}
+    unknown = flags - {"--unmeasured", "--with-timers", "--op"}
     if unknown:
         raise SystemExit(f"unknown option(s) {sorted(unknown)}")
     names = [a for a in specs if not a.startswith("--")]
@@ -53,9 +54,13 @@ def parse_variants(specs: list[str]) -> dict[str, dict]:
     return variants
 
 
+ITERS, HC_EPS, NORM_EPS, EPS = 20, 1e-6, 1e-6, 1e-6
+
+
 def main():
     ms = [int(a) for a in sys.argv[1].split(",")]
     variants = parse_variants(sys.argv[2:])
+    whole_op = "--op" in sys.argv[2:]
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     groups = tlp.groups_for(sm)
     for m in ms:
@@ -68,15 +73,20 @@ def main():
             cfgs[name] = cfg
 
             def run(cfg=cfg):
-                return tlp.partials(h, pp, sliced, w, 1e-6, config=cfg, groups=groups, with_xss=True)
-            x, ws, ss, xss = run()
+                if whole_op:
+                    return tlp.mhc_pre(h, pp, sliced, scale, base, w, ITERS, HC_EPS, NORM_EPS, EPS, config=cfg)
+                fin = (scale, base, ITERS, HC_EPS, NORM_EPS) if cfg.get("fused_finish") else None
+                return tlp.partials(h, pp, sliced, w, EPS, config=cfg, groups=groups, with_xss=True, finish=fin)
+            res = run()
             fns[name] = run
-            outs[name] = (x, ws, ss)
-            if "timers" in cfg.get("diag", ""):  # rows 0-11 of each CTA's first row block (timers_write)
+            outs[name] = res if whole_op else res[:3]  # (x, pre, post, comb) or (x, ws, ss)
+            xss = None if whole_op else res[3]
+            if "timers" in cfg.get("diag", "") and xss is not None:  # rows 0-11 of each CTA's first row block
                 timers[name] = xss.view(-1, S, 64)[:groups, :, :12].reshape(groups * S, 12).cpu()
         same = {n: all(torch.equal(a, b) for a, b in zip(o, outs["base"])) for n, o in outs.items()}
         times = time_interleaved(fns, rounds=8)
-        print(f"\n## M = {m}\n\n| variant | same bits as base | ms (median) | ms (min) |\n|---|---|---|---|")
+        what = "the op" if whole_op else "the kernel"
+        print(f"\n## M = {m} ({what})\n\n| variant | same bits as base | ms (median) | ms (min) |\n|---|---|---|---|")
         for n, (med, low) in times.items():
             # the options beside the default's (None: one the default has and this build does not)
             cfg, dflt = cfgs[n], tlp.DEFAULT_CONFIG

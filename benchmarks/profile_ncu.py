@@ -69,7 +69,8 @@ def _tilelang_pre(m: int, cfg: dict):
 
     t = mhc_inputs(m)
     sliced = slice_major(t["parts"], 5120, 24)
-    return lambda: tlp.partials(t["h"], t["pre_prev"], sliced, t["w"], 1e-6, config=cfg)
+    fin = (t["scale"], t["base"], 20, 1e-6, 1e-6) if cfg.get("fused_finish") else None  # (the kernel's own stats)
+    return lambda: tlp.partials(t["h"], t["pre_prev"], sliced, t["w"], 1e-6, config=cfg, finish=fin)
 
 
 def main() -> None:

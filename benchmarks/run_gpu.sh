@@ -5,8 +5,9 @@
 # guards_layer, prefill (examples/03_prefill_benchmark.py), run_all (benchmarks/run_all.py), and for the TileLang mhc_pre
 # configs not yet run on a GPU (mhc_pre.UNMEASURED) and its fused boundary: mhc_unmeasured (timed in turn with the
 # default, with clock64 timers), mhc_unmeasured_tests (their bits, and the fused boundary's) and mhc_boundary_probe;
-# mhc_cluster takes the cluster builds among them (hi_multicast) one at a time, their probe and bits each in its own
-# process with a short limit (a barrier that never completes costs that process only).
+# mhc_isolated takes those with a cross-CTA protocol of their own (hi_multicast clusters, fused_finish counters) one
+# at a time, their probe (the kernel, and the whole op) and bits each in its own process with a short limit (a
+# barrier that never completes costs that process only).
 # Each stage runs in its own process with a time limit and the run goes on when one fails; logs and JSON land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/dsv41-out}
@@ -27,10 +28,12 @@ run() {  # name, limit seconds, command...
   local rc=$?
   echo "=== $name rc=$rc $((SECONDS - t0))s"
   tail -n 40 "$OUT/$name.log"
+  return $rc
 }
-unmeasured() {  # the mhc_pre.UNMEASURED configs, "plain" or "cluster" (hi_multicast) ones
+unmeasured() {  # the mhc_pre.UNMEASURED configs, "plain" or "isolated" (hi_multicast, fused_finish) ones
   python3 -c "import sys; from dsv41_passes.lowering.tilelang import mhc_pre as t
-print(' '.join(n for n in t.UNMEASURED if bool(t.CONFIGS[n].get('hi_multicast')) == (sys.argv[1] == 'cluster')))" "$1"
+iso = lambda c: bool(c.get('hi_multicast') or c.get('fused_finish'))
+print(' '.join(n for n in t.UNMEASURED if iso(t.CONFIGS[n]) == (sys.argv[1] == 'isolated')))" "$1"
 }
 for s in $stages; do
   case $s in
@@ -53,12 +56,15 @@ for s in $stages; do
         -n ${JOBS:-4} -p no:cacheprovider -rfE -k "$k" ;;
     mhc_boundary_probe) run mhc_boundary_probe ${BOUNDARY_LIMIT:-240} python3 benchmarks/probe_mhc_boundary.py \
                           --no-fused --no-post-collapse --tilelang ${BOUNDARY_MS:-65536 16384 4096} ;;
-    mhc_cluster)
-      for n in $(unmeasured cluster); do
-        run "mhc_cluster_$n" ${CLUSTER_LIMIT:-150} python3 benchmarks/probe_mhc_pre_diag.py \
+    mhc_isolated)
+      for n in $(unmeasured isolated); do
+        run "mhc_isolated_tests_$n" ${ISOLATED_LIMIT:-150} python3 -m pytest -q -m gpu \
+          tests/lowering/test_mhc_pre_tilelang.py -p no:cacheprovider -rfE -k "$n]"
+        [ $? -eq 124 ] && { echo "=== $n: its tests ran out of time (a wait that never ends?), not probed"; continue; }
+        run "mhc_isolated_$n" ${ISOLATED_LIMIT:-150} python3 benchmarks/probe_mhc_pre_diag.py \
           ${UNMEASURED_MS:-65536,16384,4096} "$n"
-        run "mhc_cluster_tests_$n" ${CLUSTER_LIMIT:-150} python3 -m pytest -q -m gpu tests/lowering/test_mhc_pre_tilelang.py \
-          -p no:cacheprovider -rfE -k "$n]"
+        run "mhc_isolated_op_$n" ${ISOLATED_LIMIT:-150} python3 benchmarks/probe_mhc_pre_diag.py \
+          ${UNMEASURED_MS:-65536,16384,4096},2048 --op "$n"
       done ;;
     run_all) run run_all ${RUN_ALL_LIMIT:-560} python3 benchmarks/run_all.py --out "$OUT" ${RUN_ALL_ARGS:-} ;;
     *) echo "unknown stage $s" ;;

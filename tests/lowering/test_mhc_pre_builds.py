@@ -37,7 +37,9 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
     from dsv41_passes.lowering.tilelang import mhc_pre as tlp
 
-    cfg = tlp.CONFIGS[name]
+    cfg = dict(tlp.CONFIGS[name])
+    if cfg.get("fused_finish"):  # (the host adds the model's Sinkhorn iterations and eps)
+        cfg["finish_consts"] = (ITERS, HC_EPS, NORM_EPS)
     producer = cfg.get("producer", False)
     rings = cfg.get("rings", 1)
     split = cfg.get("split_roles", False)
@@ -117,6 +119,10 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
         _check_hi_multicast(src, cfg)
     else:
         assert "cluster" not in src and "tma_load_multicast" not in src
+    if cfg.get("fused_finish"):
+        _check_fused_finish(src, cfg)
+    else:
+        assert "dsv41_count_release" not in src and "dsv41_wait_count" not in src
     assert "__fmaf_rn" in src and "__fdiv_rn" in src and "__fsqrt_rn" in src
     offsets = [int(v) for v in re.findall(r"buf_dyn_shmem \+ (\d+)\)", src)]
     assert max(offsets) < 227 * 1024
@@ -150,6 +156,29 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
             # (and with held_prepoll the first poll a step ahead)
             polls = 2 + bool(cfg.get("held_prepoll"))
             assert src.count("AtomicLoad") == polls and "xdone" not in src and " = x[" not in src
+
+
+def _check_fused_finish(src: str, cfg: dict) -> None:
+    """``fused_finish``: warps 1-3 of the producer warpgroup wait for each row block's counter, sum the partials,
+    meet on a named barrier of their 96 threads, then Sinkhorn (warps 1-2) and pre / post (warp 3); each warp of the
+    dots and of the vector role counts its publication once a block, after its stores."""
+    body = src[src.index("__global__ void __launch_bounds__"):]
+    producer, consumers = body.split("if (128 <= ((int)threadIdx.x)) {", 1)
+    finish = producer[producer.index("if (32 <= ((int)threadIdx.x)) {"):]
+    assert finish.count("dsv41_wait_count(") == 1 and "dsv41_count_release" not in finish
+    assert finish.index("dsv41_wait_count(") < finish.index("dsv41_tree16(") < finish.index("dsv41_comb(")
+    # the target: SENTINEL + 16 CTAs x 12 warps; the Triton finish's roundings (its constants baked in)
+    assert "0x1.7ep+7f" in finish and f", {ITERS});" in finish and finish.count("dsv41_sigmoid(") == 2
+    assert finish.count("tl::__sync_thread_partial(2, 96);") == 2 and finish.count("dsv41_tree16(") == 2
+    assert "0x1.4p+14f" in finish  # K = 4 * 5120, the stats' divisor
+    dots, vector = consumers.split("if (256 <= ((int)threadIdx.x)) {")
+    count = r"__syncwarp\(\);\s*if \(\(\(\(int\)threadIdx.x\) % 32\) == 0\) \{\s*dsv41_count_release"
+    for role, stores in ((dots, r"\bws\[[^\n]*\n\s*\}\s*"), (vector, r"AtomicStore\(\(&\(xss\[[^\n]*\n\s*\}\s*")):
+        # one count a warp, right after the role's partials
+        assert role.count("dsv41_count_release(") == 1 and re.search(stores + count, role)
+    for helper in ("div.full.f32", "div.rn.f32", "ex2.approx.f32", "red.release.gpu.global.add.f32",
+                   "ld.relaxed.gpu.global.f32", "fence.acq_rel.gpu"):
+        assert helper in src, helper
 
 
 def _check_hi_multicast(src: str, cfg: dict) -> None:
@@ -240,6 +269,22 @@ def test_build_options_are_checked():
         tlp.build(FLASH_D, 6, EPS, **dict(mc, hi_multicast=3))
     with pytest.raises(ValueError, match="hi_multicast clusters CTAs of 2 groups, got 1"):
         tlp.partials(h, pp, None, torch.ones(FLASH_D), EPS, config=mc, groups=1)
+    ff = tlp.CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-ff"]
+    with pytest.raises(ValueError, match="fused_finish needs held_norm"):  # (and the model's constants)
+        tlp.build(FLASH_D, 8, EPS, **ff)
+    with pytest.raises(ValueError, match="fused_finish needs held_norm"):
+        tlp.build(FLASH_D, 8, EPS, **dict(tlp.CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh"], fused_finish=True,
+                                          finish_consts=(ITERS, HC_EPS, NORM_EPS)))
+    sliced, w = torch.zeros(3, 16, 4, 24, FLASH_D // 16, dtype=torch.bfloat16), torch.ones(FLASH_D)
+    fin = (torch.ones(3), torch.zeros(24), ITERS, HC_EPS, NORM_EPS)
+    with pytest.raises(ValueError, match="a fused_finish build takes"):
+        tlp.partials(h, pp, sliced, w, EPS, config=ff, groups=8)
+    with pytest.raises(ValueError, match="a fused_finish build takes"):
+        tlp.partials(h, pp, sliced, w, EPS, groups=8, finish=fin)
+    with pytest.raises(ValueError, match="scale must be float32 with 3 values"):
+        tlp.partials(h, pp, sliced, w, EPS, config=ff, groups=8, finish=(torch.ones(3).double(), *fin[1:]))
+    with pytest.raises(ValueError, match="base must be float32 with 24 values"):
+        tlp.partials(h, pp, sliced, w, EPS, config=ff, groups=8, finish=(fin[0], torch.zeros(4, 4), *fin[2:]))
 
 
 @pytest.mark.parametrize("opts", BOUNDARY_OPTS)

@@ -176,6 +176,10 @@ CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-pp"] = dict(_HELD, held_norm=3, held_prepo
 # need 32 of them resident at once (one CTA an SM): whether the H200's GPCs hold that is for the probe to show
 CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-mc"] = dict(_HELD, held_norm=3, hi_multicast=2)
 CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-mc4"] = dict(_HELD, held_norm=3, hi_multicast=4)
+# the stats computed in the kernel by the producer warps that held_norm leaves idle (``fused_finish``,
+# ``mhc_pre_finish``): no Triton finish launch after it (its launch gap and its read of the partials from HBM: about
+# 7 us of the op at M = 4096 in run 183, bench against probe), the same roundings (``triton.mhc_finish`` pins them)
+CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-ff"] = dict(_HELD, held_norm=3, fused_finish=True)
 # Not kept (measured in runs 173-174 and 179-181, code not in the tree): the row's x loaded before its partials are
 # polled; the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role); the row
 # block's pre weights brought by TMA with its first stage; one stage-barrier arrival a warp instead of a thread;
@@ -187,7 +191,8 @@ CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-mc4"] = dict(_HELD, held_norm=3, hi_multic
 # Runs 182-183 measured all of them before these.
 UNMEASURED: tuple[str, ...] = ("wg1-split-v2-ml-pk-dd-xh-hn4", "wg1-split-v2-ml-pk-dd-xh-hn5",
                                 "wg1-split-v2-ml-pk-dd-xh-hn6", "wg1-split-v2-ml-pk-dd-xh-hn3-pp",
-                                "wg1-split-v2-ml-pk-dd-xh-hn3-mc", "wg1-split-v2-ml-pk-dd-xh-hn3-mc4")
+                                "wg1-split-v2-ml-pk-dd-xh-hn3-mc", "wg1-split-v2-ml-pk-dd-xh-hn3-mc4",
+                                "wg1-split-v2-ml-pk-dd-xh-hn3-ff")
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
 _ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-ml-pk-dd-xh-hn3")
 if _ENV_CONFIG not in CONFIGS:
@@ -205,17 +210,21 @@ def _mid_lo(sliced: torch.Tensor) -> torch.Tensor:
 
 
 def partials(h, pre_prev, sliced, weight, eps: float, *, config: dict | None = None, groups: int | None = None,
-             with_xss: bool = False, post: tuple | None = None):
+             with_xss: bool = False, post: tuple | None = None, finish: tuple | None = None):
     """The persistent kernel alone: ``x [M, d]`` (collapse + RMSNorm) and the slice partials ``ws, ss``
     in the Triton finish kernel's layout (64-row blocks, 16 slices); ``with_xss``: also the norm partials ``xss``
     (where a ``diag`` "timers" build leaves its counts, ``benchmarks/probe_mhc_pre_diag.py``). ``post``: ``(y, post,
     comb)`` of ``mhc_boundary`` (a ``boundary`` build, which ``boundary`` makes of the config): ``h`` is then the
-    old residual, and the new one, computed and written by the kernel, comes first."""
+    old residual, and the new one, computed and written by the kernel, comes first. ``finish``: ``(scale, base, iters,
+    hc_eps, norm_eps)`` of a ``fused_finish`` build (and only of one), whose ``pre, post, comb`` come last."""
     cfg = dict(DEFAULT_CONFIG if config is None else config)  # a whole config (a ``CONFIGS`` entry)
     if "wgs" not in cfg or "stages" not in cfg:
         raise ValueError(f"TileLang mhc_pre: a config names at least wgs and stages, got {config!r}")
     if bool(cfg.get("boundary")) != (post is not None):
         raise ValueError("TileLang mhc_pre: a boundary build takes (y, post, comb), and only it does")
+    if bool(cfg.get("fused_finish")) != (finish is not None):
+        raise ValueError("TileLang mhc_pre: a fused_finish build takes (scale, base, iters, hc_eps, norm_eps), and "
+                         "only it does")
     m, n, d = h.shape
     dev = h.device
     if groups is None:
@@ -232,19 +241,31 @@ def partials(h, pre_prev, sliced, weight, eps: float, *, config: dict | None = N
     x = torch.empty((m, d), dtype=h.dtype, device=dev)
     ws = torch.empty((rows, NMIX), **f32)
     ss = torch.empty((rows,), **f32)
-    xss = torch.full((rows,), SENTINEL, **f32)
+    # (fused_finish: a counter a row block after the norm partials, from the same sentinel)
+    xss = torch.full((rows + (nrb if finish is not None else 0),), SENTINEL, **f32)
     new = torch.empty_like(h) if post is not None else None
+    stats = tuple(torch.empty((m, k), **f32) for k in (n, n, n * n)) if finish is not None else ()
     if m:
         extra = ()
         if post is not None:
             y, p, c = post
             extra = (y.contiguous(), p.contiguous(), c.reshape(m, n * n).contiguous(), new.view(m, n * d))
+        if finish is not None:
+            scale, base, iters, hc_eps, norm_eps = finish
+            for name, t, k in (("scale", scale, 3), ("base", base, NMIX)):
+                if t.dtype != torch.float32 or t.numel() != k or t.device != dev:
+                    raise ValueError(f"TileLang mhc_pre: {name} must be float32 with {k} values on {dev}, got "
+                                     f"{t.dtype} {list(t.shape)} on {t.device}")
+            cfg["finish_consts"] = (int(iters), float(hc_eps), float(norm_eps))
+            extra = (scale.contiguous(), base.contiguous(), *stats)
         mid = _mid_lo(sliced) if cfg.get("ml48") else sliced[1]
         _kernel(d, groups, eps, cfg)(
             h.view(m, n * d), sliced[0], mid, sliced[2], pre_prev.contiguous(), weight.contiguous(),
             x, ws, ss, xss, *extra,
         )
-    out = (x, ws, ss, xss) if with_xss else (x, ws, ss)
+    out = (x, ws, ss, xss[:rows]) if with_xss else (x, ws, ss)
+    if stats:
+        out = (*out, stats[0], stats[1], stats[2].view(m, n, n))
     return out if new is None else (new, *out)
 
 
@@ -287,7 +308,14 @@ def mhc_pre(h, pre_prev, sliced, scale, base, weight, iters, hc_eps, norm_eps, e
     """``(x, pre, post, comb)`` of ``mhc_pre`` (``sliced``: ``mhc_weights.bf16x3_slice_parts``); the stats
     are the Triton finish kernel's on this kernel's partials. ``mixes``: also the pre-Sinkhorn mixes."""
     _check("mhc_pre", h, sliced, weight)
-    x, ws, ss = partials(h, pre_prev, sliced, weight, eps, config=config)
+    cfg = DEFAULT_CONFIG if config is None else config
+    if cfg.get("fused_finish"):  # the stats from the kernel (mixes, for tests: the Triton finish of its partials)
+        x, ws, ss, pre, post, comb = partials(h, pre_prev, sliced, weight, eps, config=cfg,
+                                              finish=(scale, base, iters, hc_eps, norm_eps))
+        if mixes:
+            return x, pre, post, comb, _finish(x, ws, ss, weight, scale, base, iters, hc_eps, norm_eps, eps, True)[3]
+        return x, pre, post, comb
+    x, ws, ss = partials(h, pre_prev, sliced, weight, eps, config=cfg)
     return (x, *_finish(x, ws, ss, weight, scale, base, iters, hc_eps, norm_eps, eps, mixes))
 
 

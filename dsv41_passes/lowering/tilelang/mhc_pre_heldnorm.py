@@ -110,8 +110,12 @@ def held_norm_loop(T, geo: SimpleNamespace, mc: SimpleNamespace):
                     if hi_multicast:  # (nloc is rank 0's: a block past M publishes nothing)
                         if j < b.nloc:
                             mc.publish_sums(ss, xss, rb, r, s, hf, sq, xq, red)
+                            if mc.count_block is not None:
+                                mc.count_block(xss, rb, lt)
                     else:
                         mc.publish_sums(ss, xss, rb, r, s, hf, sq, xq, red)
+                        if mc.count_block is not None:
+                            mc.count_block(xss, rb, lt)
         if hi_multicast:  # the last block, unless a block past M came after it and normalized it
             if nloc == b.nloc:
                 drain(x, xss, w_s, xb, w8, pv, red, nloc, g, r, s, hf)

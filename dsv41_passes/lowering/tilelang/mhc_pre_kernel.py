@@ -72,6 +72,7 @@ import contextlib
 from types import SimpleNamespace
 
 from ..mhc_weights import NUM_SLICES, slice_geometry
+from .mhc_pre_finish import FINISH_SOURCE, finish_loop
 from .mhc_pre_macros import kernel_macros
 from .mhc_pre_roles import consumer_loops
 from .register_split import CONSUMER_REGS, PRODUCER_REGS, launch_regs, split_reason
@@ -197,7 +198,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
           vec_wgs: int = 1, x_hints: bool = False, norm_wg: bool = False, norm_warps: int = 2,
           norm_w_smem: bool = False, diag: str = "", norm_prepoll: bool = False, dots_defer: bool = False,
           xss_by_row: bool = False, boundary: bool = False, post_tma_store: bool = False, packed_cvt: bool = False,
-          ml48: bool = False, held_norm: int = 0, held_prepoll: bool = False, hi_multicast: int = 0):
+          ml48: bool = False, held_norm: int = 0, held_prepoll: bool = False, hi_multicast: int = 0,
+          fused_finish: bool = False, finish_consts: tuple | None = None):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
@@ -237,7 +239,10 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     loads each step's streamed hi part into all of them by TMA multicast (1/n of the weight stream's L2 reads); all
     walk rank 0's row blocks (another rank's last may be past M: no x copies, nothing published or stored), and each
     stage's ``empty`` counts its own consumers and one arrival from each warp of each other CTA's
-    (``mhc_pre_macros.release``).
+    (``mhc_pre_macros.release``); ``fused_finish`` (``held_norm``, not the boundary; ``finish_consts`` = (Sinkhorn
+    iterations, hc_eps, the stats' norm eps)): warps 1-3 of the producer warpgroup compute pre, post and comb from the
+    partials once each row block's 16 slices have published them (``mhc_pre_finish``), instead of the Triton finish
+    kernel after the launch.
     ``diag`` (probe builds only, ``benchmarks/probe_mhc_pre_diag.py``; comma-separated): "timers" has the first thread
     of each role (producer, normalizing warps, dots, vector) count clock64 cycles waiting on its barriers and in all,
     written over xss at the end (in the partial layout); "nonorm", "novec", "nodots" and "noxstore" drop that work,
@@ -288,6 +293,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                              and groups % hi_multicast == 0):
         raise ValueError(f"TileLang mhc_pre: hi_multicast {hi_multicast} (2 or 4 CTAs) needs held_norm, ml48 and "
                          f"dots_defer, groups a multiple of it (got {groups}) and no boundary")
+    if fused_finish and not (held_norm and not boundary and finish_consts is not None):
+        raise ValueError("TileLang mhc_pre: fused_finish needs held_norm (the producer warps it frees), no boundary, "
+                         "and finish_consts (iterations, hc_eps, norm_eps)")
     if (norm_w_smem or norm_prepoll) and not norm_wg:
         raise ValueError("TileLang mhc_pre: norm_w_smem and norm_prepoll are for the normalizing warps (norm_wg)")
     nt = 32 * norm_warps  # the normalizing threads (``norm_wg``): the producer warpgroup's last ones
@@ -318,7 +326,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         nt=nt, nring=nring, flags=flags, norm_w_smem=norm_w_smem, norm_prepoll=norm_prepoll, nmix=NMIX, stages=stages,
         xss_by_row=xss_by_row, HC=HC, lag=lag, tpr=tpr, boundary=boundary, dots_defer=dots_defer, norm_wg=norm_wg,
         producer=producer, post_tma_store=post_tma_store, packed_cvt=packed_cvt, ml48=ml48, held_norm=held_norm,
-        held_prepoll=held_prepoll, hi_multicast=hi_multicast)
+        held_prepoll=held_prepoll, hi_multicast=hi_multicast, fused_finish=fused_finish, finish_consts=finish_consts)
     mc = kernel_macros(T, geo)
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
     issue, resident, normalize_blocks = mc.issue, mc.resident, mc.normalize_blocks
@@ -331,11 +339,13 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
 
     launch = dict(cluster_dims=(hi_multicast, 1, 1)) if hi_multicast else {}
     prelude = (X_HINTS_SOURCE if x_hints else "") + (LD4_RELAXED_SOURCE if xss_by_row else "") + (
-        PACKED_CVT_SOURCE if packed_cvt else "") or None
+        PACKED_CVT_SOURCE if packed_cvt else "") + (FINISH_SOURCE if fused_finish else "") or None
+    fin = finish_loop(T, geo) if fused_finish else None
 
     @T.macro
-    def body(h, whi, wmid, wlo, pre_prev, nw, x, ws, ss, xss, io_post):
-        """The kernel; ``io_post``: ``mhc_boundary``'s extra tensors (y, post, comb, new_res) or None."""
+    def body(h, whi, wmid, wlo, pre_prev, nw, x, ws, ss, xss, io_post, io_fin=None):
+        """The kernel; ``io_post``: ``mhc_boundary``'s extra tensors (y, post, comb, new_res) or None; ``io_fin``:
+        ``fused_finish``'s (scale, base, pre, post, comb)."""
         with T.Kernel(groups * S, threads=threads, prelude=prelude, **launch) as cta:
             if hi_multicast:
                 s, g, rank = cluster_slot(cta, hi_multicast, S)
@@ -416,6 +426,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                 held = (T.alloc_local((nc * vals,), bf16), T.alloc_local((max(held_norm - 1, 1) * vals,), bf16),
                         T.alloc_local((vals,), f32))
             w_s = T.alloc_shared((ds,), f32)  # this slice's norm weights
+            if fused_finish:  # the 4 rows' mixes of a row block; the finishing threads' values
+                fin_s = T.alloc_shared((96,), f32)
+                fv = T.alloc_local((8,), f32)
             pv = T.alloc_local((S,), f32)
             red = T.alloc_local((2,), f32)
             tm = T.alloc_local((4,), "int64")  # ``diag`` timers
@@ -450,6 +463,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                                   full, ring,
                                   io_post[0] if boundary else None, ys if boundary else None, q // nc < nloc)
                         timers_write(xss, g, s, 0, tx, tm)  # (wait on empty, -, total)
+                    if fused_finish and tx >= 32:
+                        fin.finish_blocks(ws, ss, xss, io_fin, s, g, nloc, tx - 32, fin_s, fv)
                     if norm_wg and tx >= 128 - nt:
                         normalize_blocks(x, nw, w_s, xss, s, g, nloc, tx - (128 - nt), xdone, xfree, xr, wr, pv,
                                          red, tm, tc)
@@ -499,7 +514,27 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     nmid = 2 * NMIX if ml48 else NMIX  # rows of a stream's resident mid tile ([mid; lo] with ml48)
     # two signatures with the same first ten tensors: TileLang reads a prim_func's parameters from its source, and the
     # plain kernel keeps its own (its CUDA source unchanged)
-    if boundary:
+    if fused_finish:  # xss: the norm partials, then a counter a row block
+        @T.prim_func
+        def pre(
+            h: T.Tensor((m, k_total), bf16),
+            whi: T.Tensor((S, HC, NMIX, ds), bf16),
+            wmid: T.Tensor((S, HC, nmid, ds), bf16),
+            wlo: T.Tensor((S, HC, NMIX, ds), bf16),
+            pre_prev: T.Tensor((m, HC), f32),
+            nw: T.Tensor((d,), f32),
+            x: T.Tensor((m, d), bf16),
+            ws: T.Tensor((rows, NMIX), f32),
+            ss: T.Tensor((rows,), f32),
+            xss: T.Tensor((rows + T.ceildiv(m, bm),), f32),
+            scale: T.Tensor((3,), f32),
+            base: T.Tensor((NMIX,), f32),
+            pre_out: T.Tensor((m, HC), f32),
+            post_out: T.Tensor((m, HC), f32),
+            comb_out: T.Tensor((m, HC * HC), f32),
+        ):
+            body(h, whi, wmid, wlo, pre_prev, nw, x, ws, ss, xss, None, (scale, base, pre_out, post_out, comb_out))
+    elif boundary:
         @T.prim_func
         def pre(
             h: T.Tensor((m, k_total), bf16),

@@ -8,6 +8,8 @@ each macro's docstring says what it does."""
 
 from types import SimpleNamespace
 
+from .mhc_pre_finish import finish_loop
+
 
 def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
     """The macros of one kernel: ``T`` is ``tilelang.language``, ``g`` the geometry and options ``build`` computed
@@ -19,6 +21,8 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
     flags, norm_w_smem, norm_prepoll, nmix, stages = g.flags, g.norm_w_smem, g.norm_prepoll, g.nmix, g.stages
     xss_by_row, packed_cvt, ml48, post_tma_store = g.xss_by_row, g.packed_cvt, g.ml48, g.post_tma_store
     hi_multicast = g.hi_multicast
+    # ``fused_finish``: a warp's publication of a row block's partials (``mhc_pre_finish``)
+    count_block = finish_loop(T, g).count_block if g.fused_finish else None
     timers = "timers" in flags
     bf16, f32 = "bfloat16", "float32"
 
@@ -307,8 +311,12 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
             if hi_multicast:  # (nloc is rank 0's: a block past M publishes nothing)
                 if j < b.nloc:
                     publish(ws, gi + j * groups, s, fr)
+                    if count_block is not None:
+                        count_block(xss, gi + j * groups, lt)
             else:
                 publish(ws, gi + j * groups, s, fr)
+                if count_block is not None:
+                    count_block(xss, gi + j * groups, lt)
         timers_write(xss, gi, s, 6, lt, b.tm)  # (wait on full, -, total)
 
     @T.macro
@@ -554,5 +562,5 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                            post_weights=post_weights, post_chunk=post_chunk, post_global=post_global,
                            post_store=post_store, publish_sums=publish_sums, collapsed=collapsed,
                            block_start=block_start, sums_collapse=sums_collapse, post_step=post_step,
-                           poll_issue=poll_issue, release=release,
+                           poll_issue=poll_issue, release=release, count_block=count_block,
                            timers_start=timers_start, timers_write=timers_write)

@@ -1,16 +1,61 @@
 """The finish of the Triton mHC projection (``mhc_projection``): the slice partials of a row block reduced in a fixed
 order, rsqrt, pre / post sigmoids, softmax + Sinkhorn (``_finish_stats``), and the RMSNorm of the collapse from its
 norm partials; run by the projection kernel's last program of a row block or as a launch of its own
-(``_finish_kernel``, also the finish of the TileLang ``mhc_pre``). Numerics: ``mhc``."""
+(``_finish_kernel``, also the finish of the TileLang ``mhc_pre``). Numerics: ``mhc``.
+
+The stats' divisions and exponentials are pinned to PTX instructions on a GPU (``_div``: div.full, ``_div_rn``,
+``_exp2``: ex2.approx; the launches keep ``a * b + c`` uncontracted, ``LAUNCH_OPTIONS``): what ``/``, ``tl.exp`` and
+``tl.sigmoid`` become otherwise depends on the Triton and LLVM versions (Triton 3.9 divides the sums of squares by K
+as a product with an approximate reciprocal; here ``div.rn``), and the TileLang ``mhc_pre``'s fused finish
+(``tilelang.mhc_pre_finish``) repeats these instructions in CUDA to give the same bits."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from .common import INTERPRET, pairwise_row_sum
 from .common import gdc_wait as _gdc_wait
-from .common import pairwise_row_sum
 from .mhc_common import _NMIX, _normalize_cols
+
+_PTX = tl.constexpr(not INTERPRET)  # inline PTX only where a GPU compiles the kernel
+_LOG2E = tl.constexpr(1.4426950408889634)  # (0x3FB8AA3B in fp32)
+
+
+@triton.jit
+def _div(x, y):
+    """``x / y`` by ``div.full.f32`` (what Triton's fp32 division has been), whatever the compiler would pick."""
+    if _PTX:
+        return tl.inline_asm_elementwise("div.full.f32 $0, $1, $2;", "=r,r,r", [x, y], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return x / y
+
+
+@triton.jit
+def _div_rn(x, y):
+    """``x / y`` rounded to nearest (``div.rn.f32``)."""
+    if _PTX:
+        return tl.inline_asm_elementwise("div.rn.f32 $0, $1, $2;", "=r,r,r", [x, y], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return x / y
+
+
+@triton.jit
+def _exp2(x):
+    """``2^x`` by ``ex2.approx.f32`` (``tl.exp(z)`` is this of ``z * log2(e)``, the product rounded)."""
+    if _PTX:
+        return tl.inline_asm_elementwise("ex2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return tl.exp2(x)
+
+
+@triton.jit
+def _sigmoid(z):
+    """``1 / (1 + e^-z)``: ``2^(z * -log2(e))``, plus one, divided into one (``_div``)."""
+    return _div(tl.full(z.shape, 1.0, tl.float32), _exp2(z * -_LOG2E) + 1.0)
 
 
 @triton.jit
@@ -67,7 +112,8 @@ def _finish_stats(
     sso = (slot0 + sp[None, :]) * BM + rr[:, None]
     ss = pairwise_row_sum(tl.load(ss_ptr + sso, mask=rmask[:, None] & (sp[None, :] < NPART), other=0.0,
                                   cache_modifier=".cg"), FB, NP2)
-    rstd = (1.0 / tl.sqrt_rn(ss / K + norm_eps))[:, None]
+    k_f = tl.full(ss.shape, K, tl.float32)
+    rstd = _div(tl.full(ss.shape, 1.0, tl.float32), tl.sqrt_rn(_div_rn(ss, k_f) + norm_eps))[:, None]
     m_pre = t_pre * rstd
     m_post = t_post * rstd
     m_c0 = t_c0 * rstd
@@ -88,8 +134,8 @@ def _finish_stats(
     sc1 = tl.load(scale_ptr + 1)
     sc2 = tl.load(scale_ptr + 2)
     b4 = base_ptr + c4[None, :]
-    pre = tl.sigmoid(m_pre * sc0 + tl.load(b4)) + hc_eps
-    post = 2.0 * tl.sigmoid(m_post * sc1 + tl.load(b4 + 4))
+    pre = _sigmoid(m_pre * sc0 + tl.load(b4)) + hc_eps
+    post = 2.0 * _sigmoid(m_post * sc1 + tl.load(b4 + 4))
     # comb as 16 column vectors [FB]: every reduction of the Sinkhorn is then elementwise in registers
     # (row sums of [FB, 4] tiles went through shared memory: two barriers each, 8 an iteration). The
     # sums keep pairwise_row_sum's tree, so the bits are those of the tile form.
@@ -123,7 +169,7 @@ def _finish_stats(
 def _norm4(a, b, c, d, eps):
     """``v / (sum(v) + eps)`` for four same-shape vectors, summed as ``pairwise_row_sum`` sums 4."""
     t = ((a + b) + (c + d)) + eps
-    return a / t, b / t, c / t, d / t
+    return _div(a, t), _div(b, t), _div(c, t), _div(d, t)
 
 
 @triton.jit
@@ -134,9 +180,10 @@ def _softmax_cols(z, hc_eps, BM: tl.constexpr):
     z0, z2 = tl.split(lo)
     z1, z3 = tl.split(hi)
     mx = tl.maximum(tl.maximum(z0, z1), tl.maximum(z2, z3))
-    e0, e1, e2, e3 = tl.exp(z0 - mx), tl.exp(z1 - mx), tl.exp(z2 - mx), tl.exp(z3 - mx)
+    e0, e1 = _exp2((z0 - mx) * _LOG2E), _exp2((z1 - mx) * _LOG2E)
+    e2, e3 = _exp2((z2 - mx) * _LOG2E), _exp2((z3 - mx) * _LOG2E)
     t = (e0 + e1) + (e2 + e3)
-    return e0 / t + hc_eps, e1 / t + hc_eps, e2 / t + hc_eps, e3 / t + hc_eps
+    return _div(e0, t) + hc_eps, _div(e1, t) + hc_eps, _div(e2, t) + hc_eps, _div(e3, t) + hc_eps
 
 
 @triton.jit
