@@ -151,6 +151,12 @@ def test_triton_sm90_builds_one_wgmma_shape_and_no_fma():
         assert "griddepcontrol.launch_dependents" in built["decode pre 16x4 split=2"]["ptx"]
         assert "griddepcontrol.wait" in built["decode finish kernel"]["ptx"]
         assert "griddepcontrol" not in built["finish kernel 16 partials"]["ptx"]
+    # the stats' divisions and exponentials as pinned (``mhc_finish``; the TileLang fused finish repeats them): no
+    # division the compiler picked (Triton 3.9 made ss / K an approximate reciprocal's product)
+    for n in ("finish kernel 16 partials", "decode finish kernel", "pre 64x4", "boundary"):
+        ins = [i.split()[0] for i in instructions(built[n]["ptx"])]
+        divs = {i for i in ins if i.startswith(("div.", "rcp.", "ex2.", "lg2."))}
+        assert divs == {"div.full.f32", "div.rn.f32", "ex2.approx.f32"}, (n, divs)
     for n, b in built.items():
         # the kernels' only FMAs are their explicit sums of squares, ``tl.fma(x, x, acc)``
         fmas = [i.split(None, 1)[1].rstrip(";").replace(" ", "").split(",") for i in instructions(b["ptx"])
