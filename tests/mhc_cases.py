@@ -24,7 +24,8 @@ PRE_CONFIG_NAMES = ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-produce
                     "wg1-split-v2-ml-pk-dd-xh-hn1", "wg1-split-v2-ml-pk-dd-xh-hn2", "wg1-split-v2-ml-pk-dd-xh-hn3",
                     "wg1-split-v2-ml-pk-dd-xh-hn4", "wg1-split-v2-ml-pk-dd-xh-hn5", "wg1-split-v2-ml-pk-dd-xh-hn6",
                     "wg1-split-v2-ml-pk-dd-xh-hn3-pp", "wg1-split-v2-ml-pk-dd-xh-hn3-mc",
-                    "wg1-split-v2-ml-pk-dd-xh-hn3-mc4", "wg1-split-v2-ml-pk-dd-xh-hn3-ff"]
+                    "wg1-split-v2-ml-pk-dd-xh-hn3-mc4", "wg1-split-v2-ml-pk-dd-xh-hn3-ff",
+                    "wg1-split-v2-ml-pk-dd-xh-hn3-mc-ff"]
 # the fused boundary's build options its build and GPU tests take on its config (BOUNDARY_CONFIG: it has dots_defer,
 # packed_cvt and ml48: each also off)
 BOUNDARY_OPTS = [{}, {"dots_defer": False}, {"post_tma_store": True}, {"packed_cvt": False}, {"ml48": False},

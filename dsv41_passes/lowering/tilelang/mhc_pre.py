@@ -180,6 +180,8 @@ CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-mc4"] = dict(_HELD, held_norm=3, hi_multic
 # ``mhc_pre_finish``): no Triton finish launch after it (its launch gap and its read of the partials from HBM: about
 # 7 us of the op at M = 4096 in run 183, bench against probe), the same roundings (``triton.mhc_finish`` pins them)
 CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-ff"] = dict(_HELD, held_norm=3, fused_finish=True)
+# both (the counters count only the blocks below M, which every CTA of a group walks)
+CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-mc-ff"] = dict(_HELD, held_norm=3, hi_multicast=2, fused_finish=True)
 # Not kept (measured in runs 173-174 and 179-181, code not in the tree): the row's x loaded before its partials are
 # polled; the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role); the row
 # block's pre weights brought by TMA with its first stage; one stage-barrier arrival a warp instead of a thread;
@@ -192,7 +194,7 @@ CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-ff"] = dict(_HELD, held_norm=3, fused_fini
 UNMEASURED: tuple[str, ...] = ("wg1-split-v2-ml-pk-dd-xh-hn4", "wg1-split-v2-ml-pk-dd-xh-hn5",
                                 "wg1-split-v2-ml-pk-dd-xh-hn6", "wg1-split-v2-ml-pk-dd-xh-hn3-pp",
                                 "wg1-split-v2-ml-pk-dd-xh-hn3-mc", "wg1-split-v2-ml-pk-dd-xh-hn3-mc4",
-                                "wg1-split-v2-ml-pk-dd-xh-hn3-ff")
+                                "wg1-split-v2-ml-pk-dd-xh-hn3-ff", "wg1-split-v2-ml-pk-dd-xh-hn3-mc-ff")
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
 _ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-ml-pk-dd-xh-hn3")
 if _ENV_CONFIG not in CONFIGS:
