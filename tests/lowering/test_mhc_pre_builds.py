@@ -187,8 +187,10 @@ def _check_hi_multicast(src: str, cfg: dict) -> None:
     consumers = 128 * (1 + cfg["vec_wgs"])
     # each stage's empty: this CTA's consumers and one thread of each of the other CTAs' warps
     assert [src.count(f"empty[{i}].init({consumers + (n - 1) * consumers // 32});") for i in range(4)] == [1] * 4
-    # rank 0 multicasts each stream's hi chunk to the n CTAs (the others only expect its bytes)
-    assert src.count("tl::tma_load_multicast(whi_desc, full[") == 4 and src.count(f"(uint16_t)({2 ** n - 1})") == 4
+    # rank 0 multicasts each stream's hi chunk to the n CTAs (the others only expect its bytes), and the resident
+    # [mid; lo] tiles once at the start
+    assert src.count("tl::tma_load_multicast(whi_desc, full[") == 4 and src.count(f"(uint16_t)({2 ** n - 1})") == 8
+    assert src.count("tl::tma_load_multicast(wmid_desc, wbar[") == 4
     producer = src[src.index("for (int q = 0;"):src.index("if (128 <= ((int)threadIdx.x)) {")]
     # the residual's four copies under the row block's test (q / 10 below this CTA's own count of blocks)
     guard = producer.index("if ((q / 10) < ")

@@ -380,17 +380,20 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
 
     @T.macro
     def resident(whi, wmid, s, hi0, hi1, hi2, hi3, md0, md1, md2, md3, wbar):
-        """TMA of slice s's resident weight parts (hi, and mid unless it streams), onto ``wbar``."""
+        """TMA of slice s's resident weight parts (hi, and mid unless it streams), onto ``wbar``; with
+        ``hi_multicast`` (``ml48``) rank 0 of the cluster loads [mid; lo] into all its CTAs, which share the slice
+        (each expects its bytes; ``wbar`` is used once, after the cluster's sync of the barriers' initialization)."""
+        mask = (1 << hi_multicast) - 1 if hi_multicast else None
         if not ml48:  # (with ml48 hi streams with the stage and wmid is [mid; lo])
             T.tma_copy(whi[s, 0, :, :], hi0, barrier=wbar[0], leader_scope_threads=lead)
             T.tma_copy(whi[s, 1, :, :], hi1, barrier=wbar[0], leader_scope_threads=lead)
             T.tma_copy(whi[s, 2, :, :], hi2, barrier=wbar[0], leader_scope_threads=lead)
             T.tma_copy(whi[s, 3, :, :], hi3, barrier=wbar[0], leader_scope_threads=lead)
         if mid_resident:
-            T.tma_copy(wmid[s, 0, :, :], md0, barrier=wbar[0], leader_scope_threads=lead)
-            T.tma_copy(wmid[s, 1, :, :], md1, barrier=wbar[0], leader_scope_threads=lead)
-            T.tma_copy(wmid[s, 2, :, :], md2, barrier=wbar[0], leader_scope_threads=lead)
-            T.tma_copy(wmid[s, 3, :, :], md3, barrier=wbar[0], leader_scope_threads=lead)
+            T.tma_copy(wmid[s, 0, :, :], md0, barrier=wbar[0], leader_scope_threads=lead, cluster_mask=mask)
+            T.tma_copy(wmid[s, 1, :, :], md1, barrier=wbar[0], leader_scope_threads=lead, cluster_mask=mask)
+            T.tma_copy(wmid[s, 2, :, :], md2, barrier=wbar[0], leader_scope_threads=lead, cluster_mask=mask)
+            T.tma_copy(wmid[s, 3, :, :], md3, barrier=wbar[0], leader_scope_threads=lead, cluster_mask=mask)
         T.mbarrier_arrive(wbar[0])
 
     @T.macro
