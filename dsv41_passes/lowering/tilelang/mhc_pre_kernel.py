@@ -448,8 +448,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
 
     rows = T.ceildiv(m, bm) * wgs * S * BM  # of the partial buffers
     nmid = 2 * NMIX if ml48 else NMIX  # rows of a stream's resident mid tile ([mid; lo] with ml48)
-    # two signatures with the same first ten tensors: TileLang reads a prim_func's parameters from its source, and the
-    # plain kernel keeps its own (its CUDA source unchanged)
+    # three signatures with the same first ten tensors (the fused finish's xss longer): TileLang reads a prim_func's
+    # parameters from its source, so they are written out, and the plain kernel keeps its own (its CUDA unchanged)
     if fused_finish:  # xss: the norm partials, then a counter a row block
         @T.prim_func
         def pre(
