@@ -6,8 +6,8 @@
 # configs not yet run on a GPU (mhc_pre.UNMEASURED) and its fused boundary: mhc_unmeasured (timed in turn with the
 # default, with clock64 timers), mhc_unmeasured_tests (their bits, and the fused boundary's) and mhc_boundary_probe;
 # mhc_isolated takes those with a cross-CTA protocol of their own (hi_multicast clusters, fused_finish counters) one
-# at a time, their probe (the kernel, and the whole op) and bits each in its own process with a short limit (a
-# barrier that never completes costs that process only).
+# at a time, their bits and their probe (the whole op, kernel and stats, against the default's) each in its own
+# process with a short limit (a barrier that never completes costs that process only).
 # Each stage runs in its own process with a time limit and the run goes on when one fails; logs and JSON land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/dsv41-out}
@@ -61,8 +61,6 @@ for s in $stages; do
         run "mhc_isolated_tests_$n" ${ISOLATED_LIMIT:-150} python3 -m pytest -q -m gpu \
           tests/lowering/test_mhc_pre_tilelang.py -p no:cacheprovider -rfE -k "$n]"
         [ $? -eq 124 ] && { echo "=== $n: its tests ran out of time (a wait that never ends?), not probed"; continue; }
-        run "mhc_isolated_$n" ${ISOLATED_LIMIT:-150} python3 benchmarks/probe_mhc_pre_diag.py \
-          ${UNMEASURED_MS:-65536,16384,4096} "$n"
         run "mhc_isolated_op_$n" ${ISOLATED_LIMIT:-150} python3 benchmarks/probe_mhc_pre_diag.py \
           ${UNMEASURED_MS:-65536,16384,4096},2048 --op "$n"
       done ;;
