@@ -7,7 +7,8 @@
 # default, with clock64 timers), mhc_unmeasured_tests (their bits, and the fused boundary's) and mhc_boundary_probe;
 # mhc_isolated takes those with a cross-CTA protocol of their own (hi_multicast clusters, fused_finish counters) one
 # at a time, their bits and their probe (the whole op, kernel and stats, against the default's) each in its own
-# process with a short limit (a barrier that never completes costs that process only).
+# process with a short limit (a barrier that never completes costs that process only); mhc_boundary_isolated does the
+# same for the fused boundary with hi_multicast.
 # Each stage runs in its own process with a time limit and the run goes on when one fails; logs and JSON land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/dsv41-out}
@@ -51,7 +52,7 @@ for s in $stages; do
                       ${UNMEASURED_MS:-65536,16384,4096} $(unmeasured plain) --with-timers ;;
     mhc_unmeasured_tests)
       k=$(unmeasured plain | sed 's/ / or /g')
-      k="${k:+$k or }fused_boundary"
+      k="${k:+$k or }(fused_boundary and not hi_multicast)"
       run mhc_unmeasured_tests ${TESTS_LIMIT:-300} python3 -m pytest -q -m gpu tests/lowering/test_mhc_pre_tilelang.py \
         -n ${JOBS:-4} -p no:cacheprovider -rfE -k "$k" ;;
     mhc_boundary_probe) run mhc_boundary_probe ${BOUNDARY_LIMIT:-240} python3 benchmarks/probe_mhc_boundary.py \
@@ -64,6 +65,12 @@ for s in $stages; do
         run "mhc_isolated_op_$n" ${ISOLATED_LIMIT:-150} python3 benchmarks/probe_mhc_pre_diag.py \
           ${UNMEASURED_MS:-65536,16384,4096},2048 --op "$n"
       done ;;
+    mhc_boundary_isolated)  # the fused boundary with the weight stream multicast to CTA pairs: its bits, then timed
+      run mhc_boundary_isolated_tests ${ISOLATED_LIMIT:-150} python3 -m pytest -q -m gpu \
+        tests/lowering/test_mhc_pre_tilelang.py -p no:cacheprovider -rfE -k "fused_boundary and hi_multicast"
+      [ $? -eq 124 ] || run mhc_boundary_isolated ${ISOLATED_LIMIT:-150} python3 benchmarks/probe_mhc_boundary.py \
+        --no-fused --no-post-collapse --tilelang --tilelang-configs wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc \
+        ${BOUNDARY_MS:-65536 16384 4096} ;;
     run_all) run run_all ${RUN_ALL_LIMIT:-560} python3 benchmarks/run_all.py --out "$OUT" ${RUN_ALL_ARGS:-} ;;
     *) echo "unknown stage $s" ;;
   esac

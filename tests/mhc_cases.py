@@ -25,11 +25,16 @@ PRE_CONFIG_NAMES = ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-produce
                     "wg1-split-v2-ml-pk-dd-xh-hn4", "wg1-split-v2-ml-pk-dd-xh-hn5", "wg1-split-v2-ml-pk-dd-xh-hn6",
                     "wg1-split-v2-ml-pk-dd-xh-hn3-pp", "wg1-split-v2-ml-pk-dd-xh-hn3-mc",
                     "wg1-split-v2-ml-pk-dd-xh-hn3-mc4", "wg1-split-v2-ml-pk-dd-xh-hn3-ff",
-                    "wg1-split-v2-ml-pk-dd-xh-hn3-mc-ff"]
+                    "wg1-split-v2-ml-pk-dd-xh-hn3-mc-ff", "wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc"]
 # the fused boundary's build options its build and GPU tests take on its config (BOUNDARY_CONFIG: it has dots_defer,
 # packed_cvt and ml48: each also off)
 BOUNDARY_OPTS = [{}, {"dots_defer": False}, {"post_tma_store": True}, {"packed_cvt": False}, {"ml48": False},
-                 {"held_norm": 2, "norm_wg": False, "norm_w_smem": False}]
+                 {"held_norm": 2, "norm_wg": False, "norm_w_smem": False}, {"hi_multicast": 2}]
+
+
+def opts_id(opts: dict) -> str:
+    """A test id for build options (``-k hi_multicast`` selects the cluster build's tests)."""
+    return "-".join(f"{k}={v}" for k, v in opts.items()) or "default"
 
 
 def chunked(fn, n, step=2048):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mhc_cases import BOUNDARY_OPTS, PRE_CONFIG_NAMES
+from mhc_cases import BOUNDARY_OPTS, PRE_CONFIG_NAMES, opts_id
 
 FLASH_D = 5120
 ITERS, HC_EPS, NORM_EPS, EPS = 20, 1e-6, 1e-6, 1e-6
@@ -262,8 +262,9 @@ def test_build_options_are_checked():
     with pytest.raises(ValueError, match="ml48 needs split roles and the mid part resident"):
         tlp.build(FLASH_D, 8, EPS, **dict(tlp.DEFAULT_CONFIG, ml48=True, mid_resident=False))
     mc = tlp.CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-mc"]
-    for cfg, groups in ((dict(tlp.CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh"], hi_multicast=2), 8),
-                        (dict(mc, dots_defer=False), 8), (mc, 7), (dict(mc, boundary=True), 8)):
+    # (no norm on the producer's warps or in registers: the vector role's lagged norm; no deferred dots; odd groups)
+    for cfg, groups in ((dict(mc, held_norm=0), 8), (dict(mc, dots_defer=False), 8), (mc, 7),
+                        (dict(mc, hi_multicast=4), 6)):
         with pytest.raises(ValueError, match=r"hi_multicast \d \(2 or 4 CTAs\) needs held_norm"):
             tlp.build(FLASH_D, groups, EPS, **cfg)
     h, pp = torch.zeros(4, 4, FLASH_D, dtype=torch.bfloat16), torch.ones(4, 4)
@@ -289,7 +290,7 @@ def test_build_options_are_checked():
         tlp.partials(h, pp, sliced, w, EPS, config=ff, groups=8, finish=(fin[0], torch.zeros(4, 4), *fin[2:]))
 
 
-@pytest.mark.parametrize("opts", BOUNDARY_OPTS)
+@pytest.mark.parametrize("opts", BOUNDARY_OPTS, ids=opts_id)
 def test_boundary_build(opts, tmp_path, monkeypatch):
     """``mhc_boundary`` in the persistent kernel (``boundary``): y's chunk comes by TMA with the stage; the vector role
     computes the post with the Triton post kernel's roundings, writes the new residual over the stage and to HBM,
@@ -329,6 +330,10 @@ def test_boundary_build(opts, tmp_path, monkeypatch):
         tail = vector[vector.index("tl::fence_proxy_async();"):]
         assert tail.index("].arrive();") < tail.index("*(uint4*)(new_res + ") < tail.index("empty[")
     assert re.search(r"tl::fence_proxy_async\(\);\s*ready\[\([^\]]* & 3\)\]\.arrive\(\);", vector)
+    if opts.get("hi_multicast"):  # the pair's copies and barriers, and y only for a row block within M
+        _check_hi_multicast(src, cfg)
+        producer = src[src.index("for (int q = 0;"):]
+        assert producer.index("if ((q / 10) < ") < producer.index("(y_desc, full[")
     offsets = [int(v) for v in re.findall(r"buf_dyn_shmem \+ (\d+)\)", src)]
     assert max(offsets) + 320 * 4 <= 227 * 1024 - 1024  # w_s last, and 1 KiB of static shared memory
     cubins = list(Path(tmp_path).rglob("*.cubin"))

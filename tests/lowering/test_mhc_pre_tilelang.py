@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mhc_cases import BOUNDARY_OPTS, PRE_CONFIG_NAMES
+from mhc_cases import BOUNDARY_OPTS, PRE_CONFIG_NAMES, opts_id
 
 from dsv41_passes.lowering import registry
 from dsv41_passes.lowering.mhc_weights import bf16x3_slice_parts, build_parts, cache_info, clear_cache, slice_major
@@ -153,7 +153,7 @@ def test_gpu_boundary_provider_matches_the_triton_boundary(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("opts", BOUNDARY_OPTS)
+@pytest.mark.parametrize("opts", BOUNDARY_OPTS, ids=opts_id)
 @pytest.mark.parametrize("m", [1, 1536, 4097, 65536])
 def test_gpu_fused_boundary_matches_the_triton_boundary(m, opts):
     """``mhc_pre.mhc_boundary`` (the post inside the persistent kernel) gives the Triton boundary's bits: the new

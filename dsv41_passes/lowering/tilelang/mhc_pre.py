@@ -180,6 +180,10 @@ CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-mc4"] = dict(_HELD, held_norm=3, hi_multic
 # ``mhc_pre_finish``): no Triton finish launch after it (its launch gap and its read of the partials from HBM: about
 # 7 us of the op at M = 4096 in run 183, bench against probe), the same roundings (``triton.mhc_finish`` pins them)
 CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-ff"] = dict(_HELD, held_norm=3, fused_finish=True)
+# the fused boundary's config (the normalizing warps) with the weight stream multicast to CTA pairs: as an
+# ``mhc_pre`` config, and through ``mhc_boundary(config=...)`` (the boundary's GPU tests take it as a build option)
+CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc"] = dict(CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh"],
+                                                        hi_multicast=2)
 # both (the counters count only the blocks below M, which every CTA of a group walks)
 CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-mc-ff"] = dict(_HELD, held_norm=3, hi_multicast=2, fused_finish=True)
 # Not kept (measured in runs 173-174 and 179-181, code not in the tree): the row's x loaded before its partials are
@@ -194,7 +198,8 @@ CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-mc-ff"] = dict(_HELD, held_norm=3, hi_mult
 UNMEASURED: tuple[str, ...] = ("wg1-split-v2-ml-pk-dd-xh-hn4", "wg1-split-v2-ml-pk-dd-xh-hn5",
                                 "wg1-split-v2-ml-pk-dd-xh-hn6", "wg1-split-v2-ml-pk-dd-xh-hn3-pp",
                                 "wg1-split-v2-ml-pk-dd-xh-hn3-mc", "wg1-split-v2-ml-pk-dd-xh-hn3-mc4",
-                                "wg1-split-v2-ml-pk-dd-xh-hn3-ff", "wg1-split-v2-ml-pk-dd-xh-hn3-mc-ff")
+                                "wg1-split-v2-ml-pk-dd-xh-hn3-ff", "wg1-split-v2-ml-pk-dd-xh-hn3-mc-ff",
+                                "wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc")
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
 _ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-ml-pk-dd-xh-hn3")
 if _ENV_CONFIG not in CONFIGS:

@@ -105,7 +105,7 @@ def held_norm_loop(T, geo: SimpleNamespace, mc: SimpleNamespace):
                 if boundary:  # (the stage's TMA stores have read it)
                     if post_tma_store and lt < 32:
                         T.tma_store_wait(0)
-                    T.mbarrier_arrive(empty[st])
+                    mc.release(empty, st, lt, b.rank)
                 if c == nc - 1:
                     if hi_multicast:  # (nloc is rank 0's: a block past M publishes nothing)
                         if j < b.nloc:

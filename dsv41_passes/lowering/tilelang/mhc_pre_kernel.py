@@ -170,11 +170,12 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     roles, two vector warpgroups, ``packed_cvt``, no normalizing warps): the vector role keeps its rows' collapse of a
     block in registers and normalizes it during the next block, reading its rsqrt at step k (``mhc_pre_heldnorm``;
     registers by ``setmaxnreg``: ``HELD_REGS``); ``held_prepoll`` (``held_norm`` >= 2): that rsqrt's first poll issued a
-    step earlier; ``hi_multicast`` n (2 or 4; with ``held_norm``, ``ml48``, ``dots_defer``, ``groups`` a multiple of n;
-    not the boundary): the n CTAs of a thread block cluster take the same K slice in n consecutive groups, and rank 0
-    loads each step's streamed hi part into all of them by TMA multicast (1/n of the weight stream's L2 reads); all
-    walk rank 0's row blocks (another rank's last may be past M: no x copies, nothing published or stored), and each
-    stage's ``empty`` counts its own consumers and one arrival from each warp of each other CTA's
+    step earlier; ``hi_multicast`` n (2 or 4; with ``held_norm`` or the normalizing warps, ``ml48``, ``dots_defer``,
+    ``groups`` a multiple of n; the boundary too): the n CTAs of a thread block cluster take the same K slice in n
+    consecutive groups, and rank 0 loads each step's streamed hi part into all of them by TMA multicast (1/n of the
+    weight stream's L2 reads); all walk rank 0's row blocks (another rank's last may be past M: no residual or y
+    copies, nothing published or stored), and each stage's ``empty`` counts its own consumers and one arrival from
+    each warp of each other CTA's
     (``mhc_pre_macros.release``); ``fused_finish`` (``held_norm``, not the boundary; ``finish_consts`` = (Sinkhorn
     iterations, hc_eps, the stats' norm eps)): warps 1-3 of the producer warpgroup compute pre, post and comb from the
     partials once each row block's 16 slices have published them (``mhc_pre_finish``), instead of the Triton finish
@@ -225,10 +226,10 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     if held_prepoll and held_norm < 2:
         raise ValueError("TileLang mhc_pre: held_prepoll polls a step before the rsqrt's: held_norm >= 2")
     hi_multicast = int(hi_multicast)
-    if hi_multicast and not (hi_multicast in (2, 4) and held_norm and ml48 and dots_defer and not boundary
+    if hi_multicast and not (hi_multicast in (2, 4) and (held_norm or norm_wg) and ml48 and dots_defer
                              and groups % hi_multicast == 0):
-        raise ValueError(f"TileLang mhc_pre: hi_multicast {hi_multicast} (2 or 4 CTAs) needs held_norm, ml48 and "
-                         f"dots_defer, groups a multiple of it (got {groups}) and no boundary")
+        raise ValueError(f"TileLang mhc_pre: hi_multicast {hi_multicast} (2 or 4 CTAs) needs held_norm or the "
+                         f"normalizing warps, ml48 and dots_defer, and groups a multiple of it (got {groups})")
     if fused_finish and not (held_norm and not boundary and finish_consts is not None):
         raise ValueError("TileLang mhc_pre: fused_finish needs held_norm (the producer warps it frees), no boundary, "
                          "and finish_consts (iterations, hc_eps, norm_eps)")

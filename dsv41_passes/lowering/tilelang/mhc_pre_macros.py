@@ -346,6 +346,12 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                    eviction_policy="evict_first", leader_scope_threads=lead)
 
     @T.macro
+    def y_copy(y, ys, rq, colq, st, full):
+        """``boundary``: TMA of the sub-block's output y of the step's chunk into stage st, for the post."""
+        T.tma_copy(y[rq:rq + bm, colq:colq + bk], ys[st, :, :], barrier=full[st], eviction_policy="evict_first",
+                   leader_scope_threads=lead)
+
+    @T.macro
     def issue(h, wlo, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds, full, ring=0, y=None, ys=None,
               real=True):
         """TMA of step q of ``ring`` (row block g + j * groups with j = (q // nc) * rings + ring, chunk q % nc)
@@ -374,8 +380,11 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
             T.tma_copy(wmid[s, :, :, cq * bk:(cq + 1) * bk], mds[st, :, :, :], barrier=full[st],
                        leader_scope_threads=lead)
         if ys is not None:  # ``boundary``: the sub-block's output y of the chunk, for the post
-            T.tma_copy(y[rq:rq + bm, colq:colq + bk], ys[st, :, :], barrier=full[st], eviction_policy="evict_first",
-                       leader_scope_threads=lead)
+            if hi_multicast:
+                if real:
+                    y_copy(y, ys, rq, colq, st, full)
+            else:
+                y_copy(y, ys, rq, colq, st, full)
         T.mbarrier_arrive(full[st])
 
     @T.macro

@@ -19,7 +19,7 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
         geo.HC, geo.nmix, geo.bk, geo.bm, geo.ds, geo.groups, geo.lag, geo.m, geo.nc, geo.nring, geo.nrun, geo.rings,
         geo.stages, geo.tpr, geo.vals)
     boundary, dots_defer, flags, norm_wg, producer = geo.boundary, geo.dots_defer, geo.flags, geo.norm_wg, geo.producer
-    post_tma_store, packed_cvt = geo.post_tma_store, geo.packed_cvt
+    post_tma_store, packed_cvt, hi_multicast = geo.post_tma_store, geo.packed_cvt, geo.hi_multicast
     row_rstd, store_x, norm_chunk, load_chunk = mc.row_rstd, mc.store_x, mc.norm_chunk, mc.load_chunk
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
     stream_dots, load_stream, issue = mc.stream_dots, mc.load_stream, mc.issue
@@ -114,7 +114,10 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
                 if producer:
                     if vec and post_tma_store and lt < 32:  # the stage's TMA stores have read it
                         T.tma_store_wait(0)
-                    T.mbarrier_arrive(b.empty[st])
+                    if hi_multicast:  # (split roles: this is the vector role, the dots' loop is dots_deferred)
+                        mc.release(b.empty, st, lt, b.rank)
+                    else:
+                        T.mbarrier_arrive(b.empty[st])
                 else:
                     T.sync_threads()
                     if t + stages < nloc * nc:
@@ -125,7 +128,11 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
                 if mma and c == nc - 1:
                     mc.publish(ws, rb, s, fr)  # this slice's partials (Triton finish layout)
                 if vec and c == nc - 1:
-                    mc.publish_sums(ss, xss, rb, r, s, hf, sq, xq, red)
+                    if hi_multicast:  # (nloc is rank 0's: a block past M publishes nothing)
+                        if j < b.nloc:
+                            mc.publish_sums(ss, xss, rb, r, s, hf, sq, xq, red)
+                    else:
+                        mc.publish_sums(ss, xss, rb, r, s, hf, sq, xq, red)
                     if norm_wg:  # after this thread's x stores of the block (release: the warps read them next)
                         T.mbarrier_arrive(b.xdone[j % nring])
             # the last ``lag`` row blocks of this CTA: normalized after the loop
