@@ -23,7 +23,6 @@ def held_norm_loop(T, geo: SimpleNamespace, mc: SimpleNamespace):
         geo.HC, geo.bk, geo.bm, geo.ds, geo.groups, geo.m, geo.nc, geo.stages, geo.tpr, geo.vals)
     k = geo.held_norm - 1  # the step of a block at which the previous block's rsqrt is read
     x_hints, boundary, post_tma_store, held_prepoll = geo.x_hints, geo.boundary, geo.post_tma_store, geo.held_prepoll
-    hi_multicast = geo.hi_multicast
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
 
     @T.macro
@@ -40,14 +39,6 @@ def held_norm_loop(T, geo: SimpleNamespace, mc: SimpleNamespace):
             else:
                 for e in T.vectorized(8):
                     x[row, col + hf * 8 + e] = buf[off + e]
-
-    @T.macro
-    def drain(x, xss, w_s, xb, w8, pv, red, nloc, g, r, s, hf):
-        """After the loop: the last of the ``nloc`` blocks normalized from xb."""
-        if nloc >= 1:
-            mc.row_rstd(xss, g + (nloc - 1) * groups, r, pv, red)
-            for c in T.unroll(nc):
-                norm_store(x, w_s, xb, c * 8, (g + (nloc - 1) * groups) * bm + r, s * ds + c * bk, c, hf, w8, red)
 
     @T.macro
     def consume(nloc, fr, lt, b):
@@ -107,20 +98,17 @@ def held_norm_loop(T, geo: SimpleNamespace, mc: SimpleNamespace):
                         T.tma_store_wait(0)
                     mc.release(empty, st, lt, b.rank)
                 if c == nc - 1:
-                    if hi_multicast:  # (nloc is rank 0's: a block past M publishes nothing)
-                        if j < b.nloc:
-                            mc.publish_sums(ss, xss, rb, r, s, hf, sq, xq, red)
-                            if mc.count_block is not None:
-                                mc.count_block(xss, rb, lt)
-                    else:
+                    if mc.within(j, b):  # (a block past M publishes nothing)
                         mc.publish_sums(ss, xss, rb, r, s, hf, sq, xq, red)
                         if mc.count_block is not None:
                             mc.count_block(xss, rb, lt)
-        if hi_multicast:  # the last block, unless a block past M came after it and normalized it
-            if nloc == b.nloc:
-                drain(x, xss, w_s, xb, w8, pv, red, nloc, g, r, s, hf)
-        else:
-            drain(x, xss, w_s, xb, w8, pv, red, nloc, g, r, s, hf)
+        # the last block (unless a block past M came after it and normalized it)
+        if mc.within(nloc - 1, b):
+            if nloc >= 1:
+                mc.row_rstd(xss, g + (nloc - 1) * groups, r, pv, red)
+                for c in T.unroll(nc):
+                    norm_store(x, w_s, xb, c * 8, (g + (nloc - 1) * groups) * bm + r, s * ds + c * bk, c, hf, w8,
+                               red)
         timers_write(xss, g, s, 9, lt, b.tm)  # (wait on full, -, total)
 
     return consume

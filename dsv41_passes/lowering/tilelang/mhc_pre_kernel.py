@@ -398,7 +398,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                                 timed_wait(empty, st, ((q // stages) + 1) % 2, tm, tc, 0)
                             issue(h, whi if ml48 else wlo, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds,
                                   full, ring,
-                                  io_post[0] if boundary else None, ys if boundary else None, q // nc < nloc)
+                                  io_post[0] if boundary else None, ys if boundary else None,
+                                  q // nc < nloc if hi_multicast else True)
                         timers_write(xss, g, s, 0, tx, tm)  # (wait on empty, -, total)
                     if fused_finish and tx >= 32:
                         fin.finish_blocks(ws, ss, xss, io_fin, s, g, nloc, tx - 32, fin_s, fv)

@@ -255,6 +255,11 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
             ss[pslot(rb, r, s)] = sq[0]
             T.atomic_store(xss[xslot(rb, r, s)], xq[0], memory_order="relaxed")
 
+    def within(j, b):
+        """Whether block j of the CTA's walk is below M: with ``hi_multicast`` an expression (it walks rank 0's
+        ``nloc``), otherwise True (a Python value: no test in the kernel)."""
+        return j < b.nloc if hi_multicast else True
+
     @T.macro
     def release(empty, st, lt, rank):
         """A consumer thread is done with stage st: its arrival, and with ``hi_multicast`` (rank 0 copies into every
@@ -309,12 +314,7 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                     release(b.empty, (t - 1) % stages, lt, b.rank)
             T.wait_wgmma(0)
             release(b.empty, (j * nc + nc - 1) % stages, lt, b.rank)
-            if hi_multicast:  # (nloc is rank 0's: a block past M publishes nothing)
-                if j < b.nloc:
-                    publish(ws, gi + j * groups, s, fr)
-                    if count_block is not None:
-                        count_block(xss, gi + j * groups, lt)
-            else:
+            if within(j, b):
                 publish(ws, gi + j * groups, s, fr)
                 if count_block is not None:
                     count_block(xss, gi + j * groups, lt)
@@ -355,16 +355,13 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
     def issue(h, wlo, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds, full, ring=0, y=None, ys=None,
               real=True):
         """TMA of step q of ``ring`` (row block g + j * groups with j = (q // nc) * rings + ring, chunk q % nc)
-        into stage st; every thread arrives (the elected leader first adds the expected bytes). With
-        ``hi_multicast`` the residual only where the row block is ``real`` (not past M), and the streamed part by
-        rank 0 of the cluster into every CTA of it (each CTA expects its bytes)."""
+        into stage st; every thread arrives (the elected leader first adds the expected bytes). The residual (and y)
+        only where the row block is ``real`` (``hi_multicast``: not past M; otherwise the Python True), and with
+        ``hi_multicast`` the streamed part by rank 0 of the cluster into every CTA of it (each expects its bytes)."""
         rq = (g + ((q // nc) * rings + ring if rings > 1 else q // nc) * groups) * bm
         cq = q % nc
         colq = s * ds + cq * bk
-        if hi_multicast:
-            if real:
-                residual_copies(h, rq, colq, st, a0, a1, a2, a3, full)
-        else:
+        if real:
             residual_copies(h, rq, colq, st, a0, a1, a2, a3, full)
         mask = (1 << hi_multicast) - 1 if hi_multicast else None
         if "nowstream" not in flags:  # (diag: the streamed weight part left out, its L2 reads with it)
@@ -380,10 +377,7 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
             T.tma_copy(wmid[s, :, :, cq * bk:(cq + 1) * bk], mds[st, :, :, :], barrier=full[st],
                        leader_scope_threads=lead)
         if ys is not None:  # ``boundary``: the sub-block's output y of the chunk, for the post
-            if hi_multicast:
-                if real:
-                    y_copy(y, ys, rq, colq, st, full)
-            else:
+            if real:
                 y_copy(y, ys, rq, colq, st, full)
         T.mbarrier_arrive(full[st])
 
@@ -468,5 +462,5 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                            post_weights=post.post_weights, post_chunk=post.post_chunk, post_global=post.post_global,
                            post_store=post.post_store, publish_sums=publish_sums, collapsed=collapsed,
                            block_start=block_start, sums_collapse=sums_collapse, post_step=post.post_step,
-                           poll_issue=poll_issue, release=release, count_block=count_block,
+                           poll_issue=poll_issue, release=release, count_block=count_block, within=within,
                            timers_start=timers_start, timers_write=timers_write)

@@ -128,10 +128,7 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
                 if mma and c == nc - 1:
                     mc.publish(ws, rb, s, fr)  # this slice's partials (Triton finish layout)
                 if vec and c == nc - 1:
-                    if hi_multicast:  # (nloc is rank 0's: a block past M publishes nothing)
-                        if j < b.nloc:
-                            mc.publish_sums(ss, xss, rb, r, s, hf, sq, xq, red)
-                    else:
+                    if mc.within(j, b):  # (a block past M publishes nothing)
                         mc.publish_sums(ss, xss, rb, r, s, hf, sq, xq, red)
                     if norm_wg:  # after this thread's x stores of the block (release: the warps read them next)
                         T.mbarrier_arrive(b.xdone[j % nring])
