@@ -6,6 +6,9 @@ bitwise with the untuned config's, then timed as a CUDA-graph replay with the de
     source .devsite/setup.sh && python3 benchmarks/probe_mhc_finish.py [--stats-rows] [M ...]
 
 ``--stats-rows``: instead, ``mhc_pre``'s stats programs of 16 / 32 / 64 rows (``finish_rows``) at M >= 4096.
+``--stats-kernel``: instead, the TileLang ``mhc_pre``'s finish on random partials of M rows (default 1536, 4096,
+16384, 65536): the stats kernel (one row a thread) against the finish kernel's stats programs, timed in turn, with
+their bits compared.
 """
 
 from __future__ import annotations
@@ -38,13 +41,50 @@ def variants(op: str, m: int) -> dict[str, dict]:
     return out
 
 
+def stats_kernels(sizes: list[int]) -> None:
+    """``--stats-kernel`` (see the module docstring)."""
+    from benchmarks.common import time_interleaved
+    from dsv41_passes.lowering.triton.mhc_common import LAUNCH_OPTIONS
+    from dsv41_passes.lowering.triton.mhc_finish import finish_stats
+
+    rows = []
+    for m in sizes:
+        g = torch.Generator(device="cuda").manual_seed(m)
+        nrb, k = -(-m // 64), 4 * D
+        ws = torch.randn(nrb * 16 * 64 * 24, device="cuda", generator=g)
+        ss = torch.rand(nrb * 16 * 64, device="cuda", generator=g) * k / 16
+        scale = torch.rand(3, device="cuda", generator=g) + 0.5
+        base = torch.randn(24, device="cuda", generator=g)
+        outs = {kern: [torch.empty((m, c), device="cuda") for c in (4, 4, 16)] for kern in ("tiles", "rows")}
+
+        def fn(kern):
+            return lambda: finish_stats(ws, ss, scale, base, *outs[kern], None, m, k, 64, ITERS, EPS, EPS,
+                                        LAUNCH_OPTIONS, kernel=kern)
+        fns = {kern: fn(kern) for kern in outs}
+        for f in fns.values():
+            f()
+        same = all(torch.equal(a, b) for a, b in zip(outs["tiles"], outs["rows"]))
+        times = time_interleaved(fns, rounds=8)
+        gb = (ws.numel() + ss.numel() + 24 * m) * 4 / 1e9
+        for kern, (med, low) in times.items():
+            rows.append((m, kern, same, f"{med * 1e3:.2f}", f"{low * 1e3:.2f}", f"{gb / med:.2f}"))
+            print(*rows[-1], sep=" | ", flush=True)
+    print_markdown("the stats of the TileLang mhc_pre's partials, us per call (CUDA-graph replays, 8 rounds in turn); "
+                   "bits = the two kernels' pre, post and comb equal",
+                   ["M", "kernel", "bits", "us (median)", "us (min)", "TB/s (partials + outputs)"], rows)
+
+
 def main() -> None:
     import dsv41_passes  # noqa: F401
     from benchmarks.quick_check import mhc_inputs
     from dsv41_passes.lowering.triton import mhc as tk
 
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
-    sizes = [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [1, 16, 128, 256, 4096, 16384, 65536]
+    sizes = [int(a) for a in sys.argv[1:] if not a.startswith("--")]
+    if "--stats-kernel" in sys.argv:
+        stats_kernels(sizes or [1536, 4096, 16384, 65536])
+        return
+    sizes = sizes or [1, 16, 128, 256, 4096, 16384, 65536]
     rows = []
     for m in sizes:
         t = mhc_inputs(m)

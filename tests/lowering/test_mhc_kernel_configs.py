@@ -14,8 +14,8 @@ from dsv41_passes.reference import mhc as ref
 tk = pytest.importorskip("dsv41_passes.lowering.triton.mhc")
 
 from mhc_cases import (  # noqa: E402  (after the skip: the cases import the Triton ops)
-    BF16, D, DEV, EPS, HC_EPS, ITERS, NORM_EPS, assert_equal, boundary_op, collapse_op, make_inputs, mixes64, normwise,
-    post_op, pre_op, stats, with_cancellation,
+    BF16, D, DEV, EPS, FLASH_D, HC_EPS, ITERS, NORM_EPS, assert_equal, boundary_op, collapse_op, make_inputs, mixes64,
+    normwise, post_op, pre_op, stats, with_cancellation,
 )
 
 
@@ -43,6 +43,45 @@ def test_finish_kernel_gives_the_last_arriver_bits(weight):
             for kern in (dict(last, finish="kernel", **({"norm_rows": r} if r else {})) for r in rows):
                 for i, (a, b) in enumerate(zip(want, fn(config=kern))):
                     assert_equal(a, b, f"{name} output {i} {kern}")
+
+
+def _check_stats_kernel(m: int, d: int) -> None:
+    """``finish_stats`` (one row a thread, the TileLang ``mhc_pre``'s finish) computes exactly what the finish
+    kernel's stats programs (``kernel="tiles"``, its finish until now) compute from the same partials of ``m``
+    rows (64-row blocks of 16 slices)."""
+    from dsv41_passes.lowering.triton.mhc_common import LAUNCH_OPTIONS
+    from dsv41_passes.lowering.triton.mhc_finish import finish_stats
+
+    g = torch.Generator(device=DEV).manual_seed(m)
+    nrb, k = -(-m // 64), 4 * d
+    ws = torch.randn(nrb * 16 * 64 * 24, generator=g, device=DEV)
+    ss = torch.rand(nrb * 16 * 64, generator=g, device=DEV) * k / 16
+    scale, base = torch.rand(3, generator=g, device=DEV) + 0.5, torch.randn(24, generator=g, device=DEV)
+    for mixes in (False, True):
+        want, got = ({n: torch.full((m, c), float("nan"), device=DEV) for n, c in (("pre", 4), ("post", 4),
+                                                                                   ("comb", 16), ("mix", 24))}
+                     for _ in range(2))
+        for kernel, out in (("tiles", want), ("rows", got)):
+            finish_stats(ws, ss, scale, base, out["pre"], out["post"], out["comb"], out["mix"] if mixes else None,
+                         m, k, 64, ITERS, HC_EPS, NORM_EPS, LAUNCH_OPTIONS, kernel=kernel)
+        for i, (a, b) in enumerate(zip(want.values(), got.values())):
+            if i == 3 and not mixes:
+                continue
+            assert not a.isnan().any(), f"output {i}: a row was not written"
+            assert_equal(a, b, f"stats kernel output {i} (mixes={mixes}, M = {m})")
+
+
+@pytest.mark.parametrize("m", [1, 33, 130])
+def test_stats_kernel_gives_the_finish_kernel_bits(m):
+    """130 rows are 3 row blocks, the last of 2 rows, and 5 programs of 32 rows, the last of 2."""
+    _check_stats_kernel(m, D)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1536, 4097, 65536])
+def test_gpu_stats_kernel_gives_the_finish_kernel_bits(m):
+    """The same at V4.1-Flash's K on the GPU (the kernels as compiled there: pinned divisions, no contraction)."""
+    _check_stats_kernel(m, FLASH_D)
 
 
 @pytest.mark.parametrize("finish,rows", [("last", None), ("kernel", None), ("kernel", 16)])

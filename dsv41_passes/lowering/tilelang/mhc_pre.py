@@ -1,5 +1,5 @@
 """TileLang ``mhc_pre`` for prefill sizes (sm_90a): one persistent kernel, one read of the residual, the
-collapse + RMSNorm written to HBM once (``mhc_pre_kernel``), then the Triton finish kernel on its partials.
+collapse + RMSNorm written to HBM once (``mhc_pre_kernel``), then the Triton stats kernel on its partials.
 It gives the Triton kernel's bits. The op runs it from ``lowering.mhc.TILELANG_PRE_MIN_M`` (1536) tokens up:
 with split roles, the vector work on two warpgroups and the norm on three warps of the producer warpgroup
 (``wg1-split-v2-normwg3``, run 174; with the norm weights in shared memory, ``wg1-split-v2-normwg3-ws``, the default
@@ -289,31 +289,26 @@ def _check(op: str, h, sliced, weight):
 
 
 def _finish(x, ws, ss, weight, scale, base, iters, hc_eps, norm_eps, eps, mixes: bool = False):
-    """``(pre, post, comb[, mixes])``: the Triton finish kernel on the partials."""
-    from ..triton.common import INTERPRET
+    """``(pre, post, comb[, mixes])``: the Triton stats kernel on the partials (``triton.mhc_finish.finish_stats``,
+    the bits of the finish kernel's stats programs)."""
     from ..triton.mhc_common import LAUNCH_OPTIONS
-    from ..triton.mhc_finish import _finish_kernel, stats_rows
+    from ..triton.mhc_finish import finish_stats
 
     m, d = x.shape
     n = HC
     f32 = dict(dtype=torch.float32, device=x.device)
     pre, post, comb = torch.empty((m, n), **f32), torch.empty((m, n), **f32), torch.empty((m, n, n), **f32)
-    mix = torch.empty((m, NMIX), **f32) if mixes else pre
+    mix = torch.empty((m, NMIX), **f32) if mixes else None
     if m:
-        fb = stats_rows(BM, NUM_SLICES)
-        _finish_kernel[(-(-m // BM), BM // fb)](
-            x, weight, scale.contiguous(), base.contiguous(), pre, post, comb, mix, ws, ss, ss,
-            m, x.stride(0), int(iters), float(hc_eps), float(norm_eps), float(eps),
-            D=d, BM=BM, XB=1, NC=1, NORM=False, MIXES=mixes, NPART=NUM_SLICES, PARTS=0,
-            FB=fb, NP2=NUM_SLICES, PDL=False, RX=0, INTERP=INTERPRET, num_warps=4, **LAUNCH_OPTIONS,
-        )
+        finish_stats(ws, ss, scale.contiguous(), base.contiguous(), pre, post, comb, mix, m, 4 * d, BM, iters,
+                     hc_eps, norm_eps, LAUNCH_OPTIONS)
     return (pre, post, comb, mix) if mixes else (pre, post, comb)
 
 
 def mhc_pre(h, pre_prev, sliced, scale, base, weight, iters, hc_eps, norm_eps, eps, *, config: dict | None = None,
             mixes: bool = False):
     """``(x, pre, post, comb)`` of ``mhc_pre`` (``sliced``: ``mhc_weights.bf16x3_slice_parts``); the stats
-    are the Triton finish kernel's on this kernel's partials. ``mixes``: also the pre-Sinkhorn mixes."""
+    are the Triton stats kernel's on this kernel's partials. ``mixes``: also the pre-Sinkhorn mixes."""
     _check("mhc_pre", h, sliced, weight)
     cfg = DEFAULT_CONFIG if config is None else config
     if cfg.get("fused_finish"):  # the stats from the kernel (mixes, for tests: the Triton finish of its partials)
@@ -330,7 +325,7 @@ def mhc_boundary(y, res, post, comb, pre_prev, sliced, scale, base, weight, iter
                  config: dict | None = None):
     """``(new_res, x, pre, post, comb)`` of ``mhc_boundary`` in one persistent kernel (``boundary``: the post computed
     from the stage's old residual and y, written to HBM once and over the stage for the projection), then the Triton
-    finish kernel; the bits of the Triton post kernel followed by ``mhc_pre``. The ``mhc_boundary`` op's TileLang
+    stats kernel; the bits of the Triton post kernel followed by ``mhc_pre``. The ``mhc_boundary`` op's TileLang
     provider runs it up to ``lowering.mhc.FUSED_BOUNDARY_MAX_M`` (faster there, slower at 65536: bench runs 183-184)."""
     _check("mhc_boundary", res, sliced, weight)
     m, n, d = res.shape

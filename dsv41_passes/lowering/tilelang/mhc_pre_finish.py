@@ -1,5 +1,5 @@
 """The stats of the TileLang ``mhc_pre`` computed inside its persistent kernel (``fused_finish``), instead of the Triton
-finish kernel launched after it (``mhc_pre._finish``).
+stats kernel launched after it (``mhc_pre._finish``).
 
 Warps 1-3 of the producer warpgroup are idle with ``held_norm`` (warp 0 issues the copies). Here they take, for each
 row block of their CTA (group g, slice s), rows ``4 s .. 4 s + 3`` of the block's 64: once the 16 CTAs of the group have

@@ -26,8 +26,8 @@ have to move). Here:
   is needed): by default (``norm_wg``) three warps of the producer warpgroup take each row block as the
   vector role hands it over, reload its slice of x, rescale and store it; otherwise the vector role does it
   ``LAG`` row blocks later, one chunk a step.
-* The stats (ordered slice sum, rsqrt, sigmoids, Sinkhorn) are the Triton finish kernel, run next on
-  the partials; with ``fused_finish`` the kernel computes them itself, with the same roundings (``mhc_pre_finish``).
+* The stats (ordered slice sum, rsqrt, sigmoids, Sinkhorn) are the Triton stats kernel
+  (``triton.mhc_finish.finish_stats``), run next on the partials; with ``fused_finish`` the kernel computes them itself, with the same roundings (``mhc_pre_finish``).
 
 Numerics are the Triton projection kernel's (``triton.mhc`` docstring, split 1): the same K slices,
 chunks, stream order, fresh hi dot per (chunk, stream) added in fp32, mid/lo MMA chains over the slice,

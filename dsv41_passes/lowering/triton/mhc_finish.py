@@ -1,7 +1,8 @@
 """The finish of the Triton mHC projection (``mhc_projection``): the slice partials of a row block reduced in a fixed
 order, rsqrt, pre / post sigmoids, softmax + Sinkhorn (``_finish_stats``), and the RMSNorm of the collapse from its
 norm partials; run by the projection kernel's last program of a row block or as a launch of its own
-(``_finish_kernel``, also the finish of the TileLang ``mhc_pre``). Numerics: ``mhc``.
+(``_finish_kernel``). The TileLang ``mhc_pre``'s stats are ``_stats_kernel`` (``finish_stats``): the same sums and
+operations, one row a thread. Numerics: ``mhc``.
 
 The stats' divisions and exponentials are pinned to PTX instructions on a GPU (``_div``: div.full, ``_div_rn``,
 ``_exp2``: ex2.approx; the launches keep ``a * b + c`` uncontracted, ``LAUNCH_OPTIONS``): what ``/``, ``tl.exp`` and
@@ -16,7 +17,7 @@ import triton.language as tl
 
 from .common import INTERPRET, pairwise_row_sum
 from .common import gdc_wait as _gdc_wait
-from .mhc_common import _NMIX, _normalize_cols
+from .mhc_common import _NMIX, NMIX, _normalize_cols
 
 _PTX = tl.constexpr(not INTERPRET)  # inline PTX only where a GPU compiles the kernel
 _LOG2E = tl.constexpr(1.4426950408889634)  # (0x3FB8AA3B in fp32)
@@ -101,7 +102,6 @@ def _finish_stats(
     slot0 = rb * NPART
     rows = rb * BM + rr
     rmask = rows < M
-    c4 = tl.arange(0, 4)
     t_pre = _partial_group(ws_ptr, slot0, rr, rmask, 0, BM, FB, NPART, NP2)
     t_post = _partial_group(ws_ptr, slot0, rr, rmask, 4, BM, FB, NPART, NP2)
     t_c0 = _partial_group(ws_ptr, slot0, rr, rmask, 8, BM, FB, NPART, NP2)
@@ -112,6 +112,16 @@ def _finish_stats(
     sso = (slot0 + sp[None, :]) * BM + rr[:, None]
     ss = pairwise_row_sum(tl.load(ss_ptr + sso, mask=rmask[:, None] & (sp[None, :] < NPART), other=0.0,
                                   cache_modifier=".cg"), FB, NP2)
+    _stats_out(t_pre, t_post, t_c0, t_c1, t_c2, t_c3, ss, rows, rmask, scale_ptr, base_ptr, pre_ptr, post_ptr,
+               comb_ptr, mix_ptr, iters, hc_eps, norm_eps, K, FB, MIXES)
+
+
+@triton.jit
+def _stats_out(t_pre, t_post, t_c0, t_c1, t_c2, t_c3, ss, rows, rmask, scale_ptr, base_ptr, pre_ptr, post_ptr,
+               comb_ptr, mix_ptr, iters, hc_eps, norm_eps, K: tl.constexpr, FB: tl.constexpr, MIXES: tl.constexpr):
+    """From the FB rows' summed partials (``t_*`` [FB, 4] mix columns, ``ss`` [FB] sums of squares): rsqrt,
+    pre / post, softmax + Sinkhorn, stored at ``rows``."""
+    c4 = tl.arange(0, 4)
     k_f = tl.full(ss.shape, K, tl.float32)
     rstd = _div(tl.full(ss.shape, 1.0, tl.float32), tl.sqrt_rn(_div_rn(ss, k_f) + norm_eps))[:, None]
     m_pre = t_pre * rstd
@@ -163,6 +173,67 @@ def _finish_stats(
     _store4(cb + 4, c10, c11, c12, c13, rmask)
     _store4(cb + 8, c20, c21, c22, c23, rmask)
     _store4(cb + 12, c30, c31, c32, c33, rmask)
+
+
+@triton.jit
+def _sum16(ptr, off, STRIDE: tl.constexpr):
+    """``sum(ptr[off + s * STRIDE] for s in range(16))`` in ``pairwise_row_sum``'s order (adjacent pairs, then
+    pairs of those, ...)."""
+    p0 = tl.load(ptr + off)
+    p1 = tl.load(ptr + off + STRIDE)
+    p2 = tl.load(ptr + off + 2 * STRIDE)
+    p3 = tl.load(ptr + off + 3 * STRIDE)
+    p4 = tl.load(ptr + off + 4 * STRIDE)
+    p5 = tl.load(ptr + off + 5 * STRIDE)
+    p6 = tl.load(ptr + off + 6 * STRIDE)
+    p7 = tl.load(ptr + off + 7 * STRIDE)
+    p8 = tl.load(ptr + off + 8 * STRIDE)
+    p9 = tl.load(ptr + off + 9 * STRIDE)
+    p10 = tl.load(ptr + off + 10 * STRIDE)
+    p11 = tl.load(ptr + off + 11 * STRIDE)
+    p12 = tl.load(ptr + off + 12 * STRIDE)
+    p13 = tl.load(ptr + off + 13 * STRIDE)
+    p14 = tl.load(ptr + off + 14 * STRIDE)
+    p15 = tl.load(ptr + off + 15 * STRIDE)
+    q0 = ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))
+    q1 = ((p8 + p9) + (p10 + p11)) + ((p12 + p13) + (p14 + p15))
+    return q0 + q1
+
+
+@triton.jit(do_not_specialize=["M", "iters", "ngroups"])
+def _stats_kernel(
+    ws_ptr, ss_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, mix_ptr, M, iters, ngroups, hc_eps, norm_eps,
+    K: tl.constexpr, BM: tl.constexpr, FB: tl.constexpr, NPART: tl.constexpr, MIXES: tl.constexpr,
+):
+    """``_finish_stats`` for FB consecutive rows (of any row blocks), one row a thread (FB = 32 x warps): the same
+    sums in the same order, so the same bits. ``_finish_kernel``'s stats programs (FB <= 32 rows on 4 warps) hold
+    each row's values in every warp, so each warp runs the whole Sinkhorn again, and move every partial tile
+    through shared memory (a barrier after each tile's loads). Here nothing is computed twice and nothing is
+    shared: a thread loads its row's 16 partials of 4 mix columns at once (16-byte loads), 6 times (``ngroups``, a
+    runtime loop, so one group's loads are in flight at a time), and its 16 sums of squares."""
+    tl.static_assert(NPART == 16, "the stats kernel sums 16 partials a row")
+    rows = tl.program_id(0).to(tl.int64) * FB + tl.arange(0, FB)
+    rmask = rows < M
+    rl = tl.minimum(rows, M - 1)  # rows past M load the last row's partials and store nothing
+    r0 = rl // BM * (NPART * BM) + rl % BM  # the row's offset in its block's first partial
+    w0 = r0[:, None] * _NMIX + tl.arange(0, 4)[None, :]
+    t_pre = tl.zeros((FB, 4), tl.float32)
+    t_post = tl.zeros((FB, 4), tl.float32)
+    t_c0 = tl.zeros((FB, 4), tl.float32)
+    t_c1 = tl.zeros((FB, 4), tl.float32)
+    t_c2 = tl.zeros((FB, 4), tl.float32)
+    t_c3 = tl.zeros((FB, 4), tl.float32)
+    for q in range(ngroups):
+        t = _sum16(ws_ptr, w0 + q * 4, BM * _NMIX)
+        t_pre = tl.where(q == 0, t, t_pre)
+        t_post = tl.where(q == 1, t, t_post)
+        t_c0 = tl.where(q == 2, t, t_c0)
+        t_c1 = tl.where(q == 3, t, t_c1)
+        t_c2 = tl.where(q == 4, t, t_c2)
+        t_c3 = tl.where(q == 5, t, t_c3)
+    ss = _sum16(ss_ptr, r0, BM)
+    _stats_out(t_pre, t_post, t_c0, t_c1, t_c2, t_c3, ss, rows, rmask, scale_ptr, base_ptr, pre_ptr, post_ptr,
+               comb_ptr, mix_ptr, iters, hc_eps, norm_eps, K, FB, MIXES)
 
 
 @triton.jit
@@ -257,3 +328,40 @@ def _finish_parts(d: int, xb: int) -> int:
     """Column parts of ``_finish_kernel``: the most parts up to 16 that split the XB-chunks evenly."""
     chunks = d // xb
     return max(p for p in range(1, 17) if chunks % p == 0)
+
+
+# The stats kernel's launch: one warp a program (32 rows), and a register budget that lets ptxas keep a group's 16
+# loads in flight together (107 registers for sm_90; left to itself it takes 63 and issues them 4 at a time).
+STATS_WARPS = 1
+STATS_MAXNREG = 128
+
+
+def _maxnreg_option() -> dict:
+    """``{"maxnreg": STATS_MAXNREG}`` where this Triton takes the option, else nothing."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return {}
+    return {"maxnreg": STATS_MAXNREG} if "maxnreg" in getattr(CUDAOptions, "__dataclass_fields__", {}) else {}
+
+
+def finish_stats(ws, ss, scale, base, pre, post, comb, mix, m: int, k: int, bm: int, iters: int, hc_eps: float,
+                 norm_eps: float, launch_options: dict, kernel: str = "rows") -> None:
+    """pre, post, comb (and with ``mix`` not None the pre-Sinkhorn mixes) from the partials ``ws``/``ss`` of an
+    ``m``-row projection (K = ``k``, 16 slices, ``bm``-row blocks). ``kernel``: "rows" (``_stats_kernel``) or
+    "tiles" (``_finish_kernel``'s stats programs, the same bits; for comparisons)."""
+    mixes = mix is not None
+    if kernel == "tiles":
+        fb = stats_rows(bm, 16)
+        _finish_kernel[(triton.cdiv(m, bm), bm // fb)](
+            pre, pre, scale, base, pre, post, comb, mix if mixes else pre, ws, ss, ss, m, 0, int(iters),
+            float(hc_eps), float(norm_eps), 0.0, D=k // 4, BM=bm, XB=1, NC=1, NORM=False, MIXES=mixes, NPART=16,
+            PARTS=0, FB=fb, NP2=16, PDL=False, RX=0, INTERP=INTERPRET, num_warps=4, **launch_options)
+        return
+    if kernel != "rows":
+        raise ValueError(f"finish_stats: kernel is 'rows' or 'tiles', got {kernel!r}")
+    fb = 32 * STATS_WARPS
+    _stats_kernel[(triton.cdiv(m, fb),)](
+        ws, ss, scale, base, pre, post, comb, mix if mixes else pre, m, int(iters), NMIX // 4,
+        float(hc_eps), float(norm_eps), K=k, BM=bm, FB=fb, NPART=16, MIXES=mixes,
+        num_warps=STATS_WARPS, **launch_options, **({} if INTERPRET else _maxnreg_option()))
