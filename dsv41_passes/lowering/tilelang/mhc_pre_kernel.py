@@ -27,7 +27,8 @@ have to move). Here:
   vector role hands it over, reload its slice of x, rescale and store it; otherwise the vector role does it
   ``LAG`` row blocks later, one chunk a step.
 * The stats (ordered slice sum, rsqrt, sigmoids, Sinkhorn) are the Triton stats kernel
-  (``triton.mhc_finish.finish_stats``), run next on the partials; with ``fused_finish`` the kernel computes them itself, with the same roundings (``mhc_pre_finish``).
+  (``triton.mhc_finish.finish_stats``), run next on the partials; with ``fused_finish`` the kernel computes them
+  itself, with the same roundings (``mhc_pre_finish``).
 
 Numerics are the Triton projection kernel's (``triton.mhc`` docstring, split 1): the same K slices,
 chunks, stream order, fresh hi dot per (chunk, stream) added in fp32, mid/lo MMA chains over the slice,

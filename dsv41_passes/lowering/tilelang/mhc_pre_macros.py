@@ -297,7 +297,7 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                 st = t % stages
                 timed_wait(b.full, st, (t // stages) % 2, b.tm, b.tc, 0)
                 if b.ready is not None:  # ``boundary``: the vector role has written the new residual over the stage
-                    T.mbarrier_wait_parity(b.ready[st], (t // stages) % 2)
+                    timed_wait(b.ready, st, (t // stages) % 2, b.tm, b.tc, 1)
                 hi_dot(a0, hi0, lo0, sh0, st, c)
                 hi_dot(a1, hi1, lo1, sh1, st, c)
                 hi_dot(a2, hi2, lo2, sh2, st, c)

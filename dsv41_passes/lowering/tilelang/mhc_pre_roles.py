@@ -80,7 +80,7 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
                     mc.post_weights(b, row)
                 timed_wait(full, st, (t // stages) % 2, b.tm, b.tc, 0)
                 if mma and boundary:  # the vector role has written the new residual over the stage
-                    T.mbarrier_wait_parity(b.ready[st], (t // stages) % 2)
+                    timed_wait(b.ready, st, (t // stages) % 2, b.tm, b.tc, 1)
                 # 12 async wgmma groups: hi from zero per stream, mid and lo chained over the slice
                 if mma and "nodots" not in flags:
                     stream_dots(a0, hi0, md0, mds, 0, lo0, sh0, acc_mid, acc_lo, st, c)
