@@ -77,6 +77,47 @@ def test_kernel_rejects_what_it_cannot_run():
     assert tlp.groups_for(132) == 8 and tlp.groups_for(114) == 7 and tlp.groups_for(8) == 1
 
 
+@pytest.mark.parametrize("name,boundary", [("wg1-split-v2-ml-pk-dd-xh-hn3", False),
+                                           ("wg1-split-v2-ml-pk-dd-xh-hn3-mc", False),
+                                           ("wg1-split-v2-ml-pk-dd-xh-hn3-ff", False),
+                                           ("wg1-split-v2-normwg3-ws-ml-pk-dd-xh", True)])
+def test_host_wrapper_hands_the_kernel_its_tensors(name, boundary, monkeypatch):
+    """``partials`` on CPU with the compiled kernel replaced by a recorder: the residual goes in as ``[M, 4 d]``,
+    the parts, x and the partial buffers with their shapes, the boundary's y / post / comb / new residual and the
+    fused finish's stats after them (a GPU-only path: a wrong view here fails every GPU test, not one CPU test)."""
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+
+    seen = []
+
+    def fake_kernel(d, groups, eps, cfg):
+        seen.append(dict(cfg))
+        return lambda *args: seen.append([tuple(a.shape) for a in args])
+
+    monkeypatch.setattr(tlp, "_kernel", fake_kernel)
+    m, d = 130, 256
+    h = torch.randn(m, 4, d).bfloat16()
+    sliced = bf16x3_slice_parts(torch.randn(24, 4 * d), d)
+    cfg = dict(tlp.CONFIGS[name], **({"boundary": True} if boundary else {}))
+    post = (torch.randn(m, d).bfloat16(), torch.rand(m, 4), torch.rand(m, 4, 4)) if boundary else None
+    fin = (torch.rand(3), torch.randn(24), ITERS, HC_EPS, NORM_EPS) if cfg.get("fused_finish") else None
+    out = tlp.partials(h, torch.rand(m, 4), sliced, torch.rand(d), EPS, config=cfg, groups=8, post=post, finish=fin)
+    built, shapes = seen
+    nrb = -(-m // 64)
+    rows = nrb * 16 * 64
+    want = [(m, 4 * d), tuple(sliced[0].shape), (16, 4, 48, d // 16) if cfg.get("ml48") else tuple(sliced[1].shape),
+            tuple(sliced[2].shape), (m, 4), (d,), (m, d), (rows, 24), (rows,), (rows + (nrb if fin else 0),)]
+    if boundary:
+        want += [(m, d), (m, 4), (m, 16), (m, 4 * d)]
+    if fin:
+        want += [(3,), (24,), (m, 4), (m, 4), (m, 16)]
+        assert built["finish_consts"] == (ITERS, HC_EPS, NORM_EPS)
+    assert shapes == want
+    x = out[1] if boundary else out[0]
+    assert x.shape == (m, d) and (out[0].shape == h.shape if boundary else True)
+    if fin:
+        assert [tuple(t.shape) for t in out[-3:]] == [(m, 4), (m, 4), (m, 4, 4)]
+
+
 # ----------------------------------------------------------------------------- H200
 def _inputs(m: int, seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed)

@@ -237,10 +237,10 @@ def partials(h, pre_prev, sliced, weight, eps: float, *, config: dict | None = N
     if groups is None:
         groups = groups_for(torch.cuda.get_device_properties(dev).multi_processor_count)
         groups -= groups % max(1, cfg.get("hi_multicast", 0))  # a cluster's CTAs are in consecutive groups
-    n = cfg.get("hi_multicast", 0)
-    if n and (groups < n or groups % n):
-        raise ValueError(f"TileLang mhc_pre: hi_multicast clusters CTAs of {n} groups, got {groups} groups (at least "
-                         f"{16 * n} SMs are needed)")
+    mc = cfg.get("hi_multicast", 0)
+    if mc and (groups < mc or groups % mc):
+        raise ValueError(f"TileLang mhc_pre: hi_multicast clusters CTAs of {mc} groups, got {groups} groups (at least "
+                         f"{16 * mc} SMs are needed)")
     bm = BM * cfg["wgs"]
     nrb = -(-m // bm)
     f32 = dict(dtype=torch.float32, device=dev)
@@ -288,7 +288,13 @@ def _check(op: str, h, sliced, weight):
         raise ValueError(f"TileLang {op}: needs the float32 RMSNorm weight [hidden]")
 
 
-def _finish(x, ws, ss, weight, scale, base, iters, hc_eps, norm_eps, eps, mixes: bool = False):
+# The stats kernel after the persistent kernel (``triton.mhc_finish.finish_stats``; a config's "stats_kernel" key
+# names another, for probes): "rows" (one row a thread) or "tiles" (the finish kernel's stats programs), the same bits.
+STATS_KERNEL = "rows"
+
+
+def _finish(x, ws, ss, weight, scale, base, iters, hc_eps, norm_eps, eps, mixes: bool = False,
+            kernel: str = STATS_KERNEL):
     """``(pre, post, comb[, mixes])``: the Triton stats kernel on the partials (``triton.mhc_finish.finish_stats``,
     the bits of the finish kernel's stats programs)."""
     from ..triton.mhc_common import LAUNCH_OPTIONS
@@ -301,7 +307,7 @@ def _finish(x, ws, ss, weight, scale, base, iters, hc_eps, norm_eps, eps, mixes:
     mix = torch.empty((m, NMIX), **f32) if mixes else None
     if m:
         finish_stats(ws, ss, scale.contiguous(), base.contiguous(), pre, post, comb, mix, m, 4 * d, BM, iters,
-                     hc_eps, norm_eps, LAUNCH_OPTIONS)
+                     hc_eps, norm_eps, LAUNCH_OPTIONS, kernel=kernel)
     return (pre, post, comb, mix) if mixes else (pre, post, comb)
 
 
@@ -310,7 +316,8 @@ def mhc_pre(h, pre_prev, sliced, scale, base, weight, iters, hc_eps, norm_eps, e
     """``(x, pre, post, comb)`` of ``mhc_pre`` (``sliced``: ``mhc_weights.bf16x3_slice_parts``); the stats
     are the Triton stats kernel's on this kernel's partials. ``mixes``: also the pre-Sinkhorn mixes."""
     _check("mhc_pre", h, sliced, weight)
-    cfg = DEFAULT_CONFIG if config is None else config
+    cfg = dict(DEFAULT_CONFIG if config is None else config)
+    kern = cfg.pop("stats_kernel", STATS_KERNEL)
     if cfg.get("fused_finish"):  # the stats from the kernel (mixes, for tests: the Triton finish of its partials)
         x, ws, ss, pre, post, comb = partials(h, pre_prev, sliced, weight, eps, config=cfg,
                                               finish=(scale, base, iters, hc_eps, norm_eps))
@@ -318,7 +325,7 @@ def mhc_pre(h, pre_prev, sliced, scale, base, weight, iters, hc_eps, norm_eps, e
             return x, pre, post, comb, _finish(x, ws, ss, weight, scale, base, iters, hc_eps, norm_eps, eps, True)[3]
         return x, pre, post, comb
     x, ws, ss = partials(h, pre_prev, sliced, weight, eps, config=cfg)
-    return (x, *_finish(x, ws, ss, weight, scale, base, iters, hc_eps, norm_eps, eps, mixes))
+    return (x, *_finish(x, ws, ss, weight, scale, base, iters, hc_eps, norm_eps, eps, mixes, kern))
 
 
 def mhc_boundary(y, res, post, comb, pre_prev, sliced, scale, base, weight, iters, hc_eps, norm_eps, eps, *,
@@ -335,5 +342,6 @@ def mhc_boundary(y, res, post, comb, pre_prev, sliced, scale, base, weight, iter
             raise ValueError(f"TileLang mhc_boundary: {name} must be {dtype} {list(shape)} on {res.device}, got "
                              f"{t.dtype} {list(t.shape)} on {t.device}")
     cfg = dict(BOUNDARY_CONFIG if config is None else config, boundary=True)
+    kern = cfg.pop("stats_kernel", STATS_KERNEL)
     new, x, ws, ss = partials(res, pre_prev, sliced, weight, eps, config=cfg, post=(y, post, comb))
-    return (new, x, *_finish(x, ws, ss, weight, scale, base, iters, hc_eps, norm_eps, eps))
+    return (new, x, *_finish(x, ws, ss, weight, scale, base, iters, hc_eps, norm_eps, eps, kernel=kern))
