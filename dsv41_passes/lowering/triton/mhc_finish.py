@@ -200,17 +200,40 @@ def _sum16(ptr, off, STRIDE: tl.constexpr):
     return q0 + q1
 
 
-@triton.jit(do_not_specialize=["M", "iters", "ngroups"])
+@triton.jit
+def _sum4(ptr, off, STRIDE: tl.constexpr):
+    """``((p0 + p1) + (p2 + p3))`` of ``p_s = ptr[off + s * STRIDE]``."""
+    p0 = tl.load(ptr + off)
+    p1 = tl.load(ptr + off + STRIDE)
+    p2 = tl.load(ptr + off + 2 * STRIDE)
+    p3 = tl.load(ptr + off + 3 * STRIDE)
+    return (p0 + p1) + (p2 + p3)
+
+
+@triton.jit
+def _quad_tree(k, q, s, h):
+    """One step of the 16-slice pairwise tree over 4 quads (``q`` the sum of quad k, in order k = 0..3): ``s`` keeps
+    an even quad's sum, the odd quad adds it; ``h`` becomes (Q0 + Q1) at k = 1 and ((Q0 + Q1) + (Q2 + Q3)) at k = 3."""
+    p = s + q
+    h = tl.where(k == 3, h + p, tl.where(k == 1, p, h))
+    s = tl.where(k % 2 == 0, q, s)
+    return s, h
+
+
+@triton.jit(do_not_specialize=["M", "iters", "nloop"])
 def _stats_kernel(
-    ws_ptr, ss_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, mix_ptr, M, iters, ngroups, hc_eps, norm_eps,
+    ws_ptr, ss_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, mix_ptr, M, iters, nloop, hc_eps, norm_eps,
     K: tl.constexpr, BM: tl.constexpr, FB: tl.constexpr, NPART: tl.constexpr, MIXES: tl.constexpr,
+    FULL: tl.constexpr,
 ):
     """``_finish_stats`` for FB consecutive rows (of any row blocks), one row a thread (FB = 32 x warps): the same
     sums in the same order, so the same bits. ``_finish_kernel``'s stats programs (FB <= 32 rows on 4 warps) hold
     each row's values in every warp, so each warp runs the whole Sinkhorn again, and move every partial tile
     through shared memory (a barrier after each tile's loads). Here nothing is computed twice and nothing is
-    shared: a thread loads its row's 16 partials of 4 mix columns at once (16-byte loads), 6 times (``ngroups``, a
-    runtime loop, so one group's loads are in flight at a time), and its 16 sums of squares."""
+    shared. A runtime loop (``nloop`` steps) keeps one step's loads in flight at a time: FULL = False, 6 steps of
+    4 mix columns of the 16 partials (a row's 96-byte partial read 16 bytes at a time, 6 times); FULL = True, 4 steps
+    of 4 whole partials (24 16-byte loads; each 32-byte sector taken by one thread's neighbouring loads), the pairwise
+    tree carried over the steps (``_quad_tree``)."""
     tl.static_assert(NPART == 16, "the stats kernel sums 16 partials a row")
     rows = tl.program_id(0).to(tl.int64) * FB + tl.arange(0, FB)
     rmask = rows < M
@@ -223,14 +246,30 @@ def _stats_kernel(
     t_c1 = tl.zeros((FB, 4), tl.float32)
     t_c2 = tl.zeros((FB, 4), tl.float32)
     t_c3 = tl.zeros((FB, 4), tl.float32)
-    for q in range(ngroups):
-        t = _sum16(ws_ptr, w0 + q * 4, BM * _NMIX)
-        t_pre = tl.where(q == 0, t, t_pre)
-        t_post = tl.where(q == 1, t, t_post)
-        t_c0 = tl.where(q == 2, t, t_c0)
-        t_c1 = tl.where(q == 3, t, t_c1)
-        t_c2 = tl.where(q == 4, t, t_c2)
-        t_c3 = tl.where(q == 5, t, t_c3)
+    if FULL:
+        s_pre = tl.zeros((FB, 4), tl.float32)
+        s_post = tl.zeros((FB, 4), tl.float32)
+        s_c0 = tl.zeros((FB, 4), tl.float32)
+        s_c1 = tl.zeros((FB, 4), tl.float32)
+        s_c2 = tl.zeros((FB, 4), tl.float32)
+        s_c3 = tl.zeros((FB, 4), tl.float32)
+        for k in range(nloop):
+            b = w0 + k * (4 * BM * _NMIX)
+            s_pre, t_pre = _quad_tree(k, _sum4(ws_ptr, b, BM * _NMIX), s_pre, t_pre)
+            s_post, t_post = _quad_tree(k, _sum4(ws_ptr, b + 4, BM * _NMIX), s_post, t_post)
+            s_c0, t_c0 = _quad_tree(k, _sum4(ws_ptr, b + 8, BM * _NMIX), s_c0, t_c0)
+            s_c1, t_c1 = _quad_tree(k, _sum4(ws_ptr, b + 12, BM * _NMIX), s_c1, t_c1)
+            s_c2, t_c2 = _quad_tree(k, _sum4(ws_ptr, b + 16, BM * _NMIX), s_c2, t_c2)
+            s_c3, t_c3 = _quad_tree(k, _sum4(ws_ptr, b + 20, BM * _NMIX), s_c3, t_c3)
+    else:
+        for q in range(nloop):
+            t = _sum16(ws_ptr, w0 + q * 4, BM * _NMIX)
+            t_pre = tl.where(q == 0, t, t_pre)
+            t_post = tl.where(q == 1, t, t_post)
+            t_c0 = tl.where(q == 2, t, t_c0)
+            t_c1 = tl.where(q == 3, t, t_c1)
+            t_c2 = tl.where(q == 4, t, t_c2)
+            t_c3 = tl.where(q == 5, t, t_c3)
     ss = _sum16(ss_ptr, r0, BM)
     _stats_out(t_pre, t_post, t_c0, t_c1, t_c2, t_c3, ss, rows, rmask, scale_ptr, base_ptr, pre_ptr, post_ptr,
                comb_ptr, mix_ptr, iters, hc_eps, norm_eps, K, FB, MIXES)
@@ -330,26 +369,28 @@ def _finish_parts(d: int, xb: int) -> int:
     return max(p for p in range(1, 17) if chunks % p == 0)
 
 
-# The stats kernel's launch: one warp a program (32 rows), and a register budget that lets ptxas keep a group's 16
-# loads in flight together (107 registers for sm_90; left to itself it takes 63 and issues them 4 at a time).
+# The stats kernel's launches: one warp a program (32 rows), and register budgets that let ptxas keep a step's loads in
+# flight together ("rows": 107 registers for sm_90 where it took 63 and issued 4 loads at a time on its own).
 STATS_WARPS = 1
-STATS_MAXNREG = 128
+STATS_MAXNREG = {"rows": 128, "rows_full": 168}
 
 
-def _maxnreg_option() -> dict:
-    """``{"maxnreg": STATS_MAXNREG}`` where this Triton takes the option, else nothing."""
+def _maxnreg_option(kernel: str = "rows") -> dict:
+    """``{"maxnreg": ...}`` for a stats kernel where this Triton takes the option, else nothing."""
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
     except ImportError:
         return {}
-    return {"maxnreg": STATS_MAXNREG} if "maxnreg" in getattr(CUDAOptions, "__dataclass_fields__", {}) else {}
+    if "maxnreg" not in getattr(CUDAOptions, "__dataclass_fields__", {}):
+        return {}
+    return {"maxnreg": STATS_MAXNREG[kernel]}
 
 
 def finish_stats(ws, ss, scale, base, pre, post, comb, mix, m: int, k: int, bm: int, iters: int, hc_eps: float,
                  norm_eps: float, launch_options: dict, kernel: str = "rows") -> None:
     """pre, post, comb (and with ``mix`` not None the pre-Sinkhorn mixes) from the partials ``ws``/``ss`` of an
-    ``m``-row projection (K = ``k``, 16 slices, ``bm``-row blocks). ``kernel``: "rows" (``_stats_kernel``) or
-    "tiles" (``_finish_kernel``'s stats programs, the same bits; for comparisons)."""
+    ``m``-row projection (K = ``k``, 16 slices, ``bm``-row blocks). ``kernel``: "rows" or "rows_full"
+    (``_stats_kernel``, FULL off / on), or "tiles" (``_finish_kernel``'s stats programs); the same bits."""
     mixes = mix is not None
     if kernel == "tiles":
         fb = stats_rows(bm, 16)
@@ -358,10 +399,10 @@ def finish_stats(ws, ss, scale, base, pre, post, comb, mix, m: int, k: int, bm: 
             float(hc_eps), float(norm_eps), 0.0, D=k // 4, BM=bm, XB=1, NC=1, NORM=False, MIXES=mixes, NPART=16,
             PARTS=0, FB=fb, NP2=16, PDL=False, RX=0, INTERP=INTERPRET, num_warps=4, **launch_options)
         return
-    if kernel != "rows":
-        raise ValueError(f"finish_stats: kernel is 'rows' or 'tiles', got {kernel!r}")
-    fb = 32 * STATS_WARPS
+    if kernel not in STATS_MAXNREG:
+        raise ValueError(f"finish_stats: kernel is one of {['tiles', *STATS_MAXNREG]}, got {kernel!r}")
+    fb, full = 32 * STATS_WARPS, kernel == "rows_full"
     _stats_kernel[(triton.cdiv(m, fb),)](
-        ws, ss, scale, base, pre, post, comb, mix if mixes else pre, m, int(iters), NMIX // 4,
-        float(hc_eps), float(norm_eps), K=k, BM=bm, FB=fb, NPART=16, MIXES=mixes,
-        num_warps=STATS_WARPS, **launch_options, **({} if INTERPRET else _maxnreg_option()))
+        ws, ss, scale, base, pre, post, comb, mix if mixes else pre, m, int(iters), 4 if full else NMIX // 4,
+        float(hc_eps), float(norm_eps), K=k, BM=bm, FB=fb, NPART=16, MIXES=mixes, FULL=full,
+        num_warps=STATS_WARPS, **launch_options, **({} if INTERPRET else _maxnreg_option(kernel)))
