@@ -288,15 +288,21 @@ def _check(op: str, h, sliced, weight):
         raise ValueError(f"TileLang {op}: needs the float32 RMSNorm weight [hidden]")
 
 
-# The stats kernel after the persistent kernel (``triton.mhc_finish.finish_stats``; a config's "stats_kernel" key
-# names another, for probes): "rows" (one row a thread) or "tiles" (the finish kernel's stats programs), the same bits.
-STATS_KERNEL = "rows"
+# The stats kernel after the persistent kernel (``triton.mhc_finish.finish_stats``, the same bits whichever runs):
+# "rows" (one row a thread) up to STATS_ROWS_MAX_M tokens, above it "tiles" (the finish kernel's stats programs). Run
+# 187 (H100, random partials): rows 6.65 / 11.98 us against 8.06 / 19.87 at M = 4096 / 16384, but 135.0 against
+# 116.6 at 65536. A config's "stats_kernel" key names one for every M (probes).
+STATS_ROWS_MAX_M = 16384
+
+
+def _stats_kernel(m: int) -> str:
+    return "rows" if m <= STATS_ROWS_MAX_M else "tiles"
 
 
 def _finish(x, ws, ss, weight, scale, base, iters, hc_eps, norm_eps, eps, mixes: bool = False,
-            kernel: str = STATS_KERNEL):
+            kernel: str | None = None):
     """``(pre, post, comb[, mixes])``: the Triton stats kernel on the partials (``triton.mhc_finish.finish_stats``,
-    the bits of the finish kernel's stats programs)."""
+    the bits of the finish kernel's stats programs; ``kernel``: which, by M when None)."""
     from ..triton.mhc_common import LAUNCH_OPTIONS
     from ..triton.mhc_finish import finish_stats
 
@@ -307,7 +313,7 @@ def _finish(x, ws, ss, weight, scale, base, iters, hc_eps, norm_eps, eps, mixes:
     mix = torch.empty((m, NMIX), **f32) if mixes else None
     if m:
         finish_stats(ws, ss, scale.contiguous(), base.contiguous(), pre, post, comb, mix, m, 4 * d, BM, iters,
-                     hc_eps, norm_eps, LAUNCH_OPTIONS, kernel=kernel)
+                     hc_eps, norm_eps, LAUNCH_OPTIONS, kernel=kernel or _stats_kernel(m))
     return (pre, post, comb, mix) if mixes else (pre, post, comb)
 
 
@@ -317,7 +323,7 @@ def mhc_pre(h, pre_prev, sliced, scale, base, weight, iters, hc_eps, norm_eps, e
     are the Triton stats kernel's on this kernel's partials. ``mixes``: also the pre-Sinkhorn mixes."""
     _check("mhc_pre", h, sliced, weight)
     cfg = dict(DEFAULT_CONFIG if config is None else config)
-    kern = cfg.pop("stats_kernel", STATS_KERNEL)
+    kern = cfg.pop("stats_kernel", None)
     if cfg.get("fused_finish"):  # the stats from the kernel (mixes, for tests: the Triton finish of its partials)
         x, ws, ss, pre, post, comb = partials(h, pre_prev, sliced, weight, eps, config=cfg,
                                               finish=(scale, base, iters, hc_eps, norm_eps))
@@ -342,6 +348,6 @@ def mhc_boundary(y, res, post, comb, pre_prev, sliced, scale, base, weight, iter
             raise ValueError(f"TileLang mhc_boundary: {name} must be {dtype} {list(shape)} on {res.device}, got "
                              f"{t.dtype} {list(t.shape)} on {t.device}")
     cfg = dict(BOUNDARY_CONFIG if config is None else config, boundary=True)
-    kern = cfg.pop("stats_kernel", STATS_KERNEL)
+    kern = cfg.pop("stats_kernel", None)
     new, x, ws, ss = partials(res, pre_prev, sliced, weight, eps, config=cfg, post=(y, post, comb))
     return (new, x, *_finish(x, ws, ss, weight, scale, base, iters, hc_eps, norm_eps, eps, kernel=kern))
