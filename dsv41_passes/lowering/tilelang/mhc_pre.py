@@ -295,12 +295,11 @@ def _check(op: str, h, sliced, weight):
 STATS_ROWS_MAX_M = 16384
 
 
-def _stats_kernel(m: int) -> str:
+def _stats_kernel_for(m: int) -> str:
     return "rows" if m <= STATS_ROWS_MAX_M else "tiles"
 
 
-def _finish(x, ws, ss, weight, scale, base, iters, hc_eps, norm_eps, eps, mixes: bool = False,
-            kernel: str | None = None):
+def _finish(x, ws, ss, scale, base, iters, hc_eps, norm_eps, mixes: bool = False, kernel: str | None = None):
     """``(pre, post, comb[, mixes])``: the Triton stats kernel on the partials (``triton.mhc_finish.finish_stats``,
     the bits of the finish kernel's stats programs; ``kernel``: which, by M when None)."""
     from ..triton.mhc_common import LAUNCH_OPTIONS
@@ -313,7 +312,7 @@ def _finish(x, ws, ss, weight, scale, base, iters, hc_eps, norm_eps, eps, mixes:
     mix = torch.empty((m, NMIX), **f32) if mixes else None
     if m:
         finish_stats(ws, ss, scale.contiguous(), base.contiguous(), pre, post, comb, mix, m, 4 * d, BM, iters,
-                     hc_eps, norm_eps, LAUNCH_OPTIONS, kernel=kernel or _stats_kernel(m))
+                     hc_eps, norm_eps, LAUNCH_OPTIONS, kernel=kernel or _stats_kernel_for(m))
     return (pre, post, comb, mix) if mixes else (pre, post, comb)
 
 
@@ -328,10 +327,10 @@ def mhc_pre(h, pre_prev, sliced, scale, base, weight, iters, hc_eps, norm_eps, e
         x, ws, ss, pre, post, comb = partials(h, pre_prev, sliced, weight, eps, config=cfg,
                                               finish=(scale, base, iters, hc_eps, norm_eps))
         if mixes:
-            return x, pre, post, comb, _finish(x, ws, ss, weight, scale, base, iters, hc_eps, norm_eps, eps, True)[3]
+            return x, pre, post, comb, _finish(x, ws, ss, scale, base, iters, hc_eps, norm_eps, True)[3]
         return x, pre, post, comb
     x, ws, ss = partials(h, pre_prev, sliced, weight, eps, config=cfg)
-    return (x, *_finish(x, ws, ss, weight, scale, base, iters, hc_eps, norm_eps, eps, mixes, kern))
+    return (x, *_finish(x, ws, ss, scale, base, iters, hc_eps, norm_eps, mixes, kern))
 
 
 def mhc_boundary(y, res, post, comb, pre_prev, sliced, scale, base, weight, iters, hc_eps, norm_eps, eps, *,
@@ -350,4 +349,4 @@ def mhc_boundary(y, res, post, comb, pre_prev, sliced, scale, base, weight, iter
     cfg = dict(BOUNDARY_CONFIG if config is None else config, boundary=True)
     kern = cfg.pop("stats_kernel", None)
     new, x, ws, ss = partials(res, pre_prev, sliced, weight, eps, config=cfg, post=(y, post, comb))
-    return (new, x, *_finish(x, ws, ss, weight, scale, base, iters, hc_eps, norm_eps, eps, kernel=kern))
+    return (new, x, *_finish(x, ws, ss, scale, base, iters, hc_eps, norm_eps, kernel=kern))

@@ -12,6 +12,8 @@ as a product with an approximate reciprocal; here ``div.rn``), and the TileLang 
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
@@ -247,12 +249,7 @@ def _stats_kernel(
     t_c2 = tl.zeros((FB, 4), tl.float32)
     t_c3 = tl.zeros((FB, 4), tl.float32)
     if FULL:
-        s_pre = tl.zeros((FB, 4), tl.float32)
-        s_post = tl.zeros((FB, 4), tl.float32)
-        s_c0 = tl.zeros((FB, 4), tl.float32)
-        s_c1 = tl.zeros((FB, 4), tl.float32)
-        s_c2 = tl.zeros((FB, 4), tl.float32)
-        s_c3 = tl.zeros((FB, 4), tl.float32)
+        s_pre, s_post, s_c0, s_c1, s_c2, s_c3 = t_pre, t_post, t_c0, t_c1, t_c2, t_c3  # (zeros; quad 0 sets them)
         for k in range(nloop):
             b = w0 + k * (4 * BM * _NMIX)
             s_pre, t_pre = _quad_tree(k, _sum4(ws_ptr, b, BM * _NMIX), s_pre, t_pre)
@@ -375,15 +372,18 @@ STATS_WARPS = 1
 STATS_MAXNREG = {"rows": 128, "rows_full": 168}
 
 
-def _maxnreg_option(kernel: str = "rows") -> dict:
-    """``{"maxnreg": ...}`` for a stats kernel where this Triton takes the option, else nothing."""
+@functools.cache
+def _takes_maxnreg() -> bool:
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
     except ImportError:
-        return {}
-    if "maxnreg" not in getattr(CUDAOptions, "__dataclass_fields__", {}):
-        return {}
-    return {"maxnreg": STATS_MAXNREG[kernel]}
+        return False
+    return "maxnreg" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+def _maxnreg_option(kernel: str = "rows") -> dict:
+    """``{"maxnreg": ...}`` for a stats kernel where this Triton takes the option, else nothing."""
+    return {"maxnreg": STATS_MAXNREG[kernel]} if _takes_maxnreg() else {}
 
 
 def finish_stats(ws, ss, scale, base, pre, post, comb, mix, m: int, k: int, bm: int, iters: int, hc_eps: float,
