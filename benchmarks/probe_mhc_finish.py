@@ -80,7 +80,12 @@ def main() -> None:
     from benchmarks.quick_check import mhc_inputs
     from dsv41_passes.lowering.triton import mhc as tk
 
-    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    import datetime
+
+    import triton
+
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__,
+          datetime.date.today().isoformat(), flush=True)
     sizes = [int(a) for a in sys.argv[1:] if not a.startswith("--")]
     if "--stats-kernel" in sys.argv:
         stats_kernels(sizes or [1536, 4096, 16384, 65536])
