@@ -8,7 +8,7 @@
 # mhc_isolated takes those with a cross-CTA protocol of their own (hi_multicast clusters, fused_finish counters) one
 # at a time, their bits and their probe (the whole op, kernel and stats, against the default's) each in its own
 # process with a short limit (a barrier that never completes costs that process only); mhc_boundary_isolated does the
-# same for the fused boundary with hi_multicast; mhc_boundary_timers has the fused boundary's roles count their waits
+# same for the fused boundary (with and without hi_multicast); mhc_boundary_timers has the fused boundary's roles count their waits
 # (clock64 timers: where its time goes); mhc_stats_kernel tests and times the TileLang mhc_pre's stats kernel
 # (one row a thread) against the finish kernel's stats programs it replaced.
 # Each stage runs in its own process with a time limit and the run goes on when one fails; logs and JSON land in $OUT.
@@ -67,11 +67,13 @@ for s in $stages; do
         run "mhc_isolated_op_$n" ${ISOLATED_LIMIT:-150} python3 benchmarks/probe_mhc_pre_diag.py \
           ${UNMEASURED_MS:-65536,16384,4096},2048 --op "$n"
       done ;;
-    mhc_boundary_isolated)  # the fused boundary with the weight stream multicast to CTA pairs: its bits, then timed
+    mhc_boundary_isolated)  # the fused boundary (its weight stream multicast to CTA pairs since run 191) and the same
+      # without the pairs: their bits, then timed
       run mhc_boundary_isolated_tests ${ISOLATED_LIMIT:-150} python3 -m pytest -q -m gpu \
-        tests/lowering/test_mhc_pre_tilelang.py -p no:cacheprovider -rfE -k "fused_boundary and hi_multicast"
+        tests/lowering/test_mhc_pre_tilelang.py -p no:cacheprovider -rfE \
+        -k "fused_boundary_matches and (default or hi_multicast) and not (dots_defer or ml48 or held_norm)"
       [ $? -eq 124 ] || run mhc_boundary_isolated ${ISOLATED_LIMIT:-150} python3 benchmarks/probe_mhc_boundary.py \
-        --no-fused --no-post-collapse --tilelang --tilelang-configs wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc \
+        --no-fused --no-post-collapse --tilelang --tilelang-configs wg1-split-v2-normwg3-ws-ml-pk-dd-xh \
         ${BOUNDARY_MS:-65536 16384 4096} ;;
     mhc_boundary_timers) run mhc_boundary_timers ${TIMERS_LIMIT:-180} python3 benchmarks/probe_mhc_pre_diag.py \
                            ${TIMERS_MS:-65536,16384} --boundary --with-timers ;;

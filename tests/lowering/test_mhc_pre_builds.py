@@ -126,6 +126,7 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     assert "__fmaf_rn" in src and "__fdiv_rn" in src and "__fsqrt_rn" in src
     offsets = [int(v) for v in re.findall(r"buf_dyn_shmem \+ (\d+)\)", src)]
     assert max(offsets) < 227 * 1024
+    _check_shared_apart(src)
     cubins = list(Path(tmp_path).rglob("*.cubin"))
     tool = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if cubins and tool.exists():
@@ -179,6 +180,17 @@ def _check_fused_finish(src: str, cfg: dict) -> None:
     for helper in ("div.full.f32", "div.rn.f32", "ex2.approx.f32", "red.release.gpu.global.add.f32",
                    "ld.relaxed.gpu.global.f32", "fence.acq_rel.gpu"):
         assert helper in src, helper
+
+
+def _check_shared_apart(src: str) -> None:
+    """Every shared buffer at an offset of its own: the roles run at once, so no two may share bytes (TileLang's
+    planner gave the fused finish's buffer the norm weights' bytes, whose users are in another role: the norm then
+    read mixes as weights, found on the GPU in run 189)."""
+    bufs = re.findall(r"(\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\)", src)
+    at = {}
+    for name, off in bufs:
+        at.setdefault(int(off), []).append(name)
+    assert len(bufs) >= 8 and all(len(v) == 1 for v in at.values()), {k: v for k, v in at.items() if len(v) > 1}
 
 
 def _check_hi_multicast(src: str, cfg: dict) -> None:
@@ -330,12 +342,13 @@ def test_boundary_build(opts, tmp_path, monkeypatch):
         tail = vector[vector.index("tl::fence_proxy_async();"):]
         assert tail.index("].arrive();") < tail.index("*(uint4*)(new_res + ") < tail.index("empty[")
     assert re.search(r"tl::fence_proxy_async\(\);\s*ready\[\([^\]]* & 3\)\]\.arrive\(\);", vector)
-    if opts.get("hi_multicast"):  # the pair's copies and barriers, and y only for a row block within M
+    if cfg.get("hi_multicast"):  # the pair's copies and barriers, and y only for a row block within M
         _check_hi_multicast(src, cfg)
         producer = src[src.index("for (int q = 0;"):]
         assert producer.index("if ((q / 10) < ") < producer.index("(y_desc, full[")
     offsets = [int(v) for v in re.findall(r"buf_dyn_shmem \+ (\d+)\)", src)]
     assert max(offsets) + 320 * 4 <= 227 * 1024 - 1024  # w_s last, and 1 KiB of static shared memory
+    _check_shared_apart(src)
     cubins = list(Path(tmp_path).rglob("*.cubin"))
     tool = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if cubins and tool.exists():

@@ -164,24 +164,33 @@ CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh"] = dict(CONFIGS["wg1-split-v2-norm
 # -hn1 1.199 / 0.3022 / 0.0776, -hn2 1.175 / 0.2931 / 0.0738, -hn3 1.123 / 0.2812 / 0.0721. -hn3: the default since.
 _HELD = {k: v for k, v in CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh"].items()
          if k not in ("norm_wg", "norm_warps", "norm_w_smem")}
-# -hn4 to -hn6: more slack (run 186: the later the rsqrt is read, the faster, up to k = 2 at least). The boundary's
-# option takes -hn2's k = 1: with k = 2 its build spills.
+# -hn4 to -hn6: more slack (run 186: the later the rsqrt is read, the faster, up to k = 2 at least). Run 190 (H100,
+# the kernel alone, medians, ms at 65536 / 16384 / 4096): -hn3 1.462 / 0.3690 / 0.0894, -hn4 1.460 / 0.3685 / 0.0901,
+# -hn5 1.451 / 0.3671 / 0.0899, -hn6 1.462 / 0.3716 / 0.0899: no gain past k = 2. The boundary's option takes -hn2's
+# k = 1: with k = 2 its build spills.
 for _k in range(1, 7):
     CONFIGS[f"wg1-split-v2-ml-pk-dd-xh-hn{_k}"] = dict(_HELD, held_norm=_k)
-# the rsqrt's first poll a step ahead (``held_prepoll``)
+# the rsqrt's first poll a step ahead (``held_prepoll``): run 190, 1.479 / 0.3740 / 0.0921 (slower)
 CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-pp"] = dict(_HELD, held_norm=3, held_prepoll=True)
 # the streamed hi part loaded once for the 2 or 4 CTAs of a cluster on one K slice (``hi_multicast``: rank 0's TMA
 # multicast into all): with held_norm the weight stream is the largest L2 load beyond the residual and the output
 # (31.5 M of the 146 M sectors the SMs move at M = 65536, runs 184-186); this halves or quarters it. Clusters of 4
-# need 32 of them resident at once (one CTA an SM): whether the H200's GPCs hold that is for the probe to show
+# need 32 of them resident at once (one CTA an SM). Run 189 (H100, the op against the default in turn, ms at 65536 /
+# 16384 / 4096): -mc 1.568 / 0.3760 / 0.0968 against 1.574 / 0.3780 / 0.0970 (no real gain: without the stream at all,
+# a diag build, 1.8% at 65536 in run 190); -mc4 2.041 / 0.5091 / 0.1417 (the clusters of 4 do not all fit at once);
+# the same bits (GPU tests at M = 1, 4096, 4097, 65536)
 CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-mc"] = dict(_HELD, held_norm=3, hi_multicast=2)
 CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-mc4"] = dict(_HELD, held_norm=3, hi_multicast=4)
 # the stats computed in the kernel by the producer warps that held_norm leaves idle (``fused_finish``,
 # ``mhc_pre_finish``): no Triton finish launch after it (its launch gap and its read of the partials from HBM: about
-# 7 us of the op at M = 4096 in run 183, bench against probe), the same roundings (``triton.mhc_finish`` pins them)
+# 7 us of the op at M = 4096 in run 183, bench against probe), the same roundings (``triton.mhc_finish`` pins them).
+# Run 189 gave its stats the Triton bits but a wrong x: TileLang had put the finish's shared buffer on the norm
+# weights' bytes (now one buffer; the build test checks that no two shared buffers share bytes). Its time there: 1.493
+# / 0.3828 / 0.0983 against 1.576 / 0.3748 / 0.0960 for the default with the "tiles" stats kernel.
 CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-ff"] = dict(_HELD, held_norm=3, fused_finish=True)
 # the fused boundary's config (the normalizing warps) with the weight stream multicast to CTA pairs: as an
-# ``mhc_pre`` config, and through ``mhc_boundary(config=...)`` (the boundary's GPU tests take it as a build option)
+# ``mhc_pre`` config (run 189: 1.629 / 0.4084 / 0.1116 against 1.572 / 0.3812 / 0.1000 for the default), and the fused
+# boundary's since run 191 (``BOUNDARY_CONFIG``)
 CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc"] = dict(CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh"],
                                                         hi_multicast=2)
 # both (the counters count only the blocks below M, which every CTA of a group walks)
@@ -194,20 +203,17 @@ CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-mc-ff"] = dict(_HELD, held_norm=3, hi_mult
 # (``dots_rs``, twenty-first session): at 128 registers a thread ptxas serializes every wgmma of it (C7512).
 # Configs written and built for sm_90a but never run on a GPU: no bits or time measured yet
 # (``benchmarks/probe_mhc_pre_diag.py --unmeasured`` times them against the default; ``run_gpu.sh mhc_unmeasured``).
-# Runs 182-183 measured all of them before these.
-UNMEASURED: tuple[str, ...] = ("wg1-split-v2-ml-pk-dd-xh-hn4", "wg1-split-v2-ml-pk-dd-xh-hn5",
-                                "wg1-split-v2-ml-pk-dd-xh-hn6", "wg1-split-v2-ml-pk-dd-xh-hn3-pp",
-                                "wg1-split-v2-ml-pk-dd-xh-hn3-mc", "wg1-split-v2-ml-pk-dd-xh-hn3-mc4",
-                                "wg1-split-v2-ml-pk-dd-xh-hn3-ff", "wg1-split-v2-ml-pk-dd-xh-hn3-mc-ff",
-                                "wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc")
+# Runs 189-190 measured the others (the fused finish's with the bug since fixed).
+UNMEASURED: tuple[str, ...] = ("wg1-split-v2-ml-pk-dd-xh-hn3-ff", "wg1-split-v2-ml-pk-dd-xh-hn3-mc-ff")
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
 _ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-ml-pk-dd-xh-hn3")
 if _ENV_CONFIG not in CONFIGS:
     raise ValueError(f"DSV41_MHC_PRE_TILELANG_CONFIG={_ENV_CONFIG!r}: not one of {sorted(CONFIGS)}")
 DEFAULT_CONFIG = CONFIGS[_ENV_CONFIG]
 # the fused boundary's (``mhc_boundary``): with the normalizing warps, which take the norm off the vector role that
-# also computes the post (with ``held_norm`` instead, 5-6% slower: run 185)
-BOUNDARY_CONFIG = CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh"]
+# also computes the post (with ``held_norm`` instead, 5-6% slower: run 185), and the weight stream multicast to CTA
+# pairs (run 191, H100, us: 3602 against 3674 at M = 65536, 899 / 912 at 16384, 231.7 / 234.7 at 4096; the same bits)
+BOUNDARY_CONFIG = CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc"]
 
 
 def _mid_lo(sliced: torch.Tensor) -> torch.Tensor:
@@ -289,19 +295,15 @@ def _check(op: str, h, sliced, weight):
 
 
 # The stats kernel after the persistent kernel (``triton.mhc_finish.finish_stats``, the same bits whichever runs):
-# "rows" (one row a thread) up to STATS_ROWS_MAX_M tokens, above it "tiles" (the finish kernel's stats programs). Run
-# 187 (H100, random partials): rows 6.65 / 11.98 us against 8.06 / 19.87 at M = 4096 / 16384, but 135.0 against
-# 116.6 at 65536. A config's "stats_kernel" key names one for every M (probes).
-STATS_ROWS_MAX_M = 16384
-
-
-def _stats_kernel_for(m: int) -> str:
-    return "rows" if m <= STATS_ROWS_MAX_M else "tiles"
+# "rows_full" (one row a thread, 4 whole partials a step) at every M. Run 188 (H100, the whole op, in turn
+# replays, ms): 1.509 against 1.576 for "tiles" (the finish kernel's stats programs) and 1.596 for "rows" at M = 65536,
+# 0.3756 / 0.3868 / 0.3761 at 16384, 0.0973 / 0.0980 / 0.0970 at 4096. A config's "stats_kernel" key names another.
+STATS_KERNEL = "rows_full"
 
 
 def _finish(x, ws, ss, scale, base, iters, hc_eps, norm_eps, mixes: bool = False, kernel: str | None = None):
     """``(pre, post, comb[, mixes])``: the Triton stats kernel on the partials (``triton.mhc_finish.finish_stats``,
-    the bits of the finish kernel's stats programs; ``kernel``: which, by M when None)."""
+    the bits of the finish kernel's stats programs; ``kernel``: which, ``STATS_KERNEL`` when None)."""
     from ..triton.mhc_common import LAUNCH_OPTIONS
     from ..triton.mhc_finish import finish_stats
 
@@ -312,7 +314,7 @@ def _finish(x, ws, ss, scale, base, iters, hc_eps, norm_eps, mixes: bool = False
     mix = torch.empty((m, NMIX), **f32) if mixes else None
     if m:
         finish_stats(ws, ss, scale.contiguous(), base.contiguous(), pre, post, comb, mix, m, 4 * d, BM, iters,
-                     hc_eps, norm_eps, LAUNCH_OPTIONS, kernel=kernel or _stats_kernel_for(m))
+                     hc_eps, norm_eps, LAUNCH_OPTIONS, kernel=kernel or STATS_KERNEL)
     return (pre, post, comb, mix) if mixes else (pre, post, comb)
 
 
@@ -338,7 +340,7 @@ def mhc_boundary(y, res, post, comb, pre_prev, sliced, scale, base, weight, iter
     """``(new_res, x, pre, post, comb)`` of ``mhc_boundary`` in one persistent kernel (``boundary``: the post computed
     from the stage's old residual and y, written to HBM once and over the stage for the projection), then the Triton
     stats kernel; the bits of the Triton post kernel followed by ``mhc_pre``. The ``mhc_boundary`` op's TileLang
-    provider runs it up to ``lowering.mhc.FUSED_BOUNDARY_MAX_M`` (faster there, slower at 65536: bench runs 183-184)."""
+    provider runs it where it applies (``lowering.mhc.fused_boundary_at``)."""
     _check("mhc_boundary", res, sliced, weight)
     m, n, d = res.shape
     for name, t, shape, dtype in (("y", y, (m, d), res.dtype), ("post", post, (m, n), torch.float32),

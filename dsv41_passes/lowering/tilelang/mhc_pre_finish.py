@@ -99,10 +99,11 @@ __device__ __forceinline__ void dsv41_wait_count(void* p, float target) {
 
 
 def finish_loop(T, geo: SimpleNamespace):
-    """``finish_blocks(ws, ss, xss, io_fin, s, g, nloc, ft, fin_s, fv)``: the finishing warps' loop over the CTA's
-    ``nloc`` row blocks (``ft``: the thread's index among the 96, ``fin_s``: [96] f32 shared, ``fv``: [8] f32 local
-    (the scales, its phase-2 column's base, the rsqrt, a result), ``io_fin``: scale, base, pre, post, comb), and
-    ``count_block(xss, rb, lt)``: a warp's publication of row block ``rb`` (``lt``: the thread's index in its role)."""
+    """``finish_blocks(ws, ss, xss, io_fin, s, g, nloc, ft, fin_s, f0, fv)``: the finishing warps' loop over the
+    CTA's ``nloc`` row blocks (``ft``: the thread's index among the 96, ``fin_s[f0:f0 + 96]``: f32 shared, ``fv``: [8]
+    f32 local (the scales, its phase-2 column's base, the rsqrt, a result), ``io_fin``: scale, base, pre, post,
+    comb), and ``count_block(xss, rb, lt)``: a warp's publication of row block ``rb`` (``lt``: the thread's index in
+    its role)."""
     S, BM, m, groups, wgs, d = geo.S, geo.BM, geo.m, geo.groups, geo.wgs, geo.d
     iters, hc_eps, norm_eps = geo.finish_consts
     cnt0 = T.ceildiv(m, geo.bm) * wgs * S * BM  # the counters' offset in xss (after the norm partials)
@@ -116,7 +117,7 @@ def finish_loop(T, geo: SimpleNamespace):
             T.call_extern("handle", "dsv41_count_release", T.address_of(xss[cnt0 + rb]))
 
     @T.macro
-    def finish_blocks(ws, ss, xss, io_fin, s, g, nloc, ft, fin_s, fv):
+    def finish_blocks(ws, ss, xss, io_fin, s, g, nloc, ft, fin_s, f0, fv):
         scale, base, pre, post, comb = io_fin
         q = ft // 24  # phase 1: row q of the 4, mix column c
         c = ft % 24
@@ -134,13 +135,13 @@ def finish_loop(T, geo: SimpleNamespace):
             fv[5] = T.call_extern("float32", "dsv41_stats_rstd",
                                   T.call_extern("float32", "dsv41_tree16", T.address_of(ss[slot]), BM),
                                   T.float32(4 * d), T.float32(norm_eps))
-            fin_s[ft] = T.ieee_mul(T.call_extern("float32", "dsv41_tree16", T.address_of(ws[slot, c]), BM * 24),
+            fin_s[f0 + ft] = T.ieee_mul(T.call_extern("float32", "dsv41_tree16", T.address_of(ws[slot, c]), BM * 24),
                                    fv[5])
             T.sync_threads(2, 96)
             if ft < 64:
                 row = rb * geo.bm + s * 4 + ft // 16
                 fv[6] = T.call_extern("float32", "dsv41_comb",
-                                      T.ieee_add(T.ieee_mul(fin_s[ft // 16 * 24 + 8 + ft % 16], fv[2]), fv[4]),
+                                      T.ieee_add(T.ieee_mul(fin_s[f0 + ft // 16 * 24 + 8 + ft % 16], fv[2]), fv[4]),
                                       T.float32(hc_eps), T.int32(iters))
                 if row < m:
                     comb[row, ft % 16] = fv[6]
@@ -149,14 +150,14 @@ def finish_loop(T, geo: SimpleNamespace):
                 cc = (ft - 64) % 8
                 if cc < 4:
                     fv[6] = T.ieee_add(T.call_extern("float32", "dsv41_sigmoid",
-                                                     T.ieee_add(T.ieee_mul(fin_s[(ft - 64) // 8 * 24 + cc], fv[0]),
+                                                     T.ieee_add(T.ieee_mul(fin_s[f0 + (ft - 64) // 8 * 24 + cc], fv[0]),
                                                                 fv[4])),
                                        T.float32(hc_eps))
                     if row < m:
                         pre[row, cc] = fv[6]
                 else:
                     fv[6] = T.call_extern("float32", "dsv41_sigmoid",
-                                          T.ieee_add(T.ieee_mul(fin_s[(ft - 64) // 8 * 24 + cc], fv[1]), fv[4]))
+                                          T.ieee_add(T.ieee_mul(fin_s[f0 + (ft - 64) // 8 * 24 + cc], fv[1]), fv[4]))
                     if row < m:
                         post[row, cc - 4] = T.ieee_add(fv[6], fv[6])
             T.sync_threads(2, 96)  # (fin_s is written again for the next block)

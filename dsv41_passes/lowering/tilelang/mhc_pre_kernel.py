@@ -363,9 +363,10 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
             if held_norm:  # a block's collapse held for its normalization, chunks waiting for the rsqrt, weights
                 held = (T.alloc_local((nc * vals,), bf16), T.alloc_local((max(held_norm - 1, 1) * vals,), bf16),
                         T.alloc_local((vals,), f32))
-            w_s = T.alloc_shared((ds,), f32)  # this slice's norm weights
-            if fused_finish:  # the 4 rows' mixes of a row block; the finishing threads' values
-                fin_s = T.alloc_shared((96,), f32)
+            # this slice's norm weights; fused_finish: then the 4 rows' mixes of a row block, in the same buffer
+            # (as a buffer of its own TileLang's planner gave it w_s's bytes: their users are in different roles)
+            w_s = T.alloc_shared((ds + (96 if fused_finish else 0),), f32)
+            if fused_finish:  # the finishing threads' values
                 fv = T.alloc_local((8,), f32)
             pv = T.alloc_local((S,), f32)
             red = T.alloc_local((2,), f32)
@@ -403,7 +404,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                                   q // nc < nloc if hi_multicast else True)
                         timers_write(xss, g, s, 0, tx, tm)  # (wait on empty, -, total)
                     if fused_finish and tx >= 32:
-                        fin.finish_blocks(ws, ss, xss, io_fin, s, g, nloc, tx - 32, fin_s, fv)
+                        fin.finish_blocks(ws, ss, xss, io_fin, s, g, nloc, tx - 32, w_s, ds, fv)
                     if norm_wg and tx >= 128 - nt:
                         normalize_blocks(x, nw, w_s, xss, s, g, nloc, tx - (128 - nt), xdone, xfree, xr, wr, pv,
                                          red, tm, tc)
