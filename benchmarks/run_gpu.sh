@@ -67,13 +67,13 @@ for s in $stages; do
         run "mhc_isolated_op_$n" ${ISOLATED_LIMIT:-150} python3 benchmarks/probe_mhc_pre_diag.py \
           ${UNMEASURED_MS:-65536,16384,4096},2048 --op "$n"
       done ;;
-    mhc_boundary_isolated)  # the fused boundary (its weight stream multicast to CTA pairs since run 191) and the same
-      # without the pairs: their bits, then timed
+    mhc_boundary_isolated)  # the fused boundary (its weight stream multicast to CTA pairs since run 191), the same
+      # without the pairs and with the dots' early release: their bits, then timed
       run mhc_boundary_isolated_tests ${ISOLATED_LIMIT:-150} python3 -m pytest -q -m gpu \
         tests/lowering/test_mhc_pre_tilelang.py -p no:cacheprovider -rfE \
-        -k "fused_boundary_matches and (default or hi_multicast) and not (dots_defer or ml48 or held_norm)"
+        -k "fused_boundary_matches and (default or hi_multicast or dots_release_early) and not (dots_defer or ml48 or held_norm)"
       [ $? -eq 124 ] || run mhc_boundary_isolated ${ISOLATED_LIMIT:-150} python3 benchmarks/probe_mhc_boundary.py \
-        --no-fused --no-post-collapse --tilelang --tilelang-configs wg1-split-v2-normwg3-ws-ml-pk-dd-xh \
+        --no-fused --no-post-collapse --tilelang --tilelang-configs wg1-split-v2-normwg3-ws-ml-pk-dd-xh,wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re \
         ${BOUNDARY_MS:-65536 16384 4096} ;;
     mhc_boundary_timers) run mhc_boundary_timers ${TIMERS_LIMIT:-180} python3 benchmarks/probe_mhc_pre_diag.py \
                            ${TIMERS_MS:-65536,16384} --boundary --with-timers ;;

@@ -100,8 +100,13 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     chains = ["acc_mid"] if ml48 else ["acc_mid", "acc_lo"]
     waits = re.findall(r"tl::wait_wgmma<(\d)>", src)
     if cfg.get("dots_defer"):  # streams 1-3's chains of a step in flight into the next; all waited at a block's end
-        assert src.count("wgmma_ss<") == 4 + 4 * len(chains) and waits == [str(3 * len(chains)), "0"], waits
+        early = ["0"] if cfg.get("dots_release_early") else []  # (all the previous step's groups, then its release)
+        assert src.count("wgmma_ss<") == 4 + 4 * len(chains) and waits == early + [str(3 * len(chains)), "0"], waits
         dots = src[src.index("if (((int)threadIdx.x) < 256) {"):src.index("if (256 <= ((int)threadIdx.x)) {")]
+        # a step's stage wait after the previous step's release: with dots_release_early all its groups done first,
+        # else after this step's dots
+        first = [dots.index(k) for k in ("tl::wait_wgmma<0>", "empty[", "].wait(")]
+        assert (first[0] < first[1] < first[2]) == bool(cfg.get("dots_release_early")), first
         issued = re.findall(r"\(\(uint32_t\*\)\((\w+) \+ 0\)\)", dots)  # the accumulator of each wgmma, in order
         assert issued[:4] == ["sh0", "sh1", "sh2", "sh3"], issued
         if ml48:  # one [mid | lo] accumulator (TileLang names it after one of its two bindings)

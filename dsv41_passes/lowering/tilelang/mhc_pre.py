@@ -195,6 +195,13 @@ CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc"] = dict(CONFIGS["wg1-split-v2-n
                                                         hi_multicast=2)
 # both (the counters count only the blocks below M, which every CTA of a group walks)
 CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-mc-ff"] = dict(_HELD, held_norm=3, hi_multicast=2, fused_finish=True)
+# the dots' release of a stage before their wait for the next one (``dots_release_early``): in the boundary the dots
+# wait 45% of their time for the vector role's post of the next stage and the producer 51% for a free stage (run 188,
+# H100, timers at M = 65536), while the deferred loop held each stage until that post was done; here a stage goes back
+# once its own dots are done. As an mhc_pre config and as the fused boundary's config with it (a build option there)
+CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re"] = dict(_HELD, held_norm=3, dots_release_early=True)
+CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re"] = dict(CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc"],
+                                                           dots_release_early=True)
 # Not kept (measured in runs 173-174 and 179-181, code not in the tree): the row's x loaded before its partials are
 # polled; the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role); the row
 # block's pre weights brought by TMA with its first stage; one stage-barrier arrival a warp instead of a thread;
@@ -204,7 +211,8 @@ CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-mc-ff"] = dict(_HELD, held_norm=3, hi_mult
 # Configs written and built for sm_90a but never run on a GPU: no bits or time measured yet
 # (``benchmarks/probe_mhc_pre_diag.py --unmeasured`` times them against the default; ``run_gpu.sh mhc_unmeasured``).
 # Runs 189-190 measured the others (the fused finish's with the bug since fixed).
-UNMEASURED: tuple[str, ...] = ("wg1-split-v2-ml-pk-dd-xh-hn3-ff", "wg1-split-v2-ml-pk-dd-xh-hn3-mc-ff")
+UNMEASURED: tuple[str, ...] = ("wg1-split-v2-ml-pk-dd-xh-hn3-ff", "wg1-split-v2-ml-pk-dd-xh-hn3-mc-ff",
+                                "wg1-split-v2-ml-pk-dd-xh-hn3-re", "wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re")
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
 _ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-ml-pk-dd-xh-hn3")
 if _ENV_CONFIG not in CONFIGS:

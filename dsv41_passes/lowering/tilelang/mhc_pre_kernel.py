@@ -136,7 +136,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
           norm_w_smem: bool = False, diag: str = "", norm_prepoll: bool = False, dots_defer: bool = False,
           xss_by_row: bool = False, boundary: bool = False, post_tma_store: bool = False, packed_cvt: bool = False,
           ml48: bool = False, held_norm: int = 0, held_prepoll: bool = False, hi_multicast: int = 0,
-          fused_finish: bool = False, finish_consts: tuple | None = None):
+          fused_finish: bool = False, finish_consts: tuple | None = None, dots_release_early: bool = False):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
@@ -158,7 +158,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     read the norm weights from the consumers' shared copy instead of global memory; ``norm_prepoll`` (``norm_wg``):
     the normalizing warps load a pass's partials a pass ahead (``normalize_blocks``); ``dots_defer`` (split roles):
     the dots' warpgroup issues a step's four hi dots first and leaves its last chains in flight into the next step
-    (``dots_deferred``); ``xss_by_row``: the norm partials laid out with a row's 16 side by side, so a poll is four
+    (``dots_deferred``); ``dots_release_early`` (``dots_defer``): they release the previous step's stage before they
+    wait for the next one; ``xss_by_row``: the norm partials laid out with a row's 16 side by side, so a poll is four
     16-byte loads, not 16 of 4 bytes; ``boundary`` (with the normalizing warps or ``held_norm``): ``mhc_boundary``, the
     post computed by the vector role from the stage's old residual and y (``mhc_pre_macros.post_chunk``) and written
     over the stage before the dots read it (barrier ``ready``); ``post_tma_store``: the new residual stored from the
@@ -213,6 +214,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                          "nowstream")
     if dots_defer and not split_roles:
         raise ValueError("TileLang mhc_pre: dots_defer needs split roles")
+    if dots_release_early and not dots_defer:
+        raise ValueError("TileLang mhc_pre: dots_release_early is an option of dots_defer")
     if post_tma_store and not boundary:
         raise ValueError("TileLang mhc_pre: post_tma_store is for the boundary")
     if boundary and not ((norm_wg or held_norm) and mid_resident) or boundary and "novec" in diag:
@@ -264,7 +267,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         nt=nt, nring=nring, flags=flags, norm_w_smem=norm_w_smem, norm_prepoll=norm_prepoll, nmix=NMIX, stages=stages,
         xss_by_row=xss_by_row, HC=HC, lag=lag, tpr=tpr, boundary=boundary, dots_defer=dots_defer, norm_wg=norm_wg,
         producer=producer, post_tma_store=post_tma_store, packed_cvt=packed_cvt, ml48=ml48, held_norm=held_norm,
-        held_prepoll=held_prepoll, hi_multicast=hi_multicast, fused_finish=fused_finish, finish_consts=finish_consts)
+        held_prepoll=held_prepoll, hi_multicast=hi_multicast, fused_finish=fused_finish, finish_consts=finish_consts,
+        dots_release_early=dots_release_early)
     mc = kernel_macros(T, geo)
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
     issue, resident, normalize_blocks = mc.issue, mc.resident, mc.normalize_blocks

@@ -21,7 +21,7 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
         g.nrun, g.vals, g.run_col, g.x_hints, g.mid_resident, g.lead, g.nt, g.nring)
     flags, norm_w_smem, norm_prepoll, nmix, stages = g.flags, g.norm_w_smem, g.norm_prepoll, g.nmix, g.stages
     xss_by_row, packed_cvt, ml48 = g.xss_by_row, g.packed_cvt, g.ml48
-    hi_multicast = g.hi_multicast
+    hi_multicast, dots_release_early = g.hi_multicast, g.dots_release_early
     # ``fused_finish``: a warp's publication of a row block's partials (``mhc_pre_finish``)
     count_block = finish_loop(T, g).count_block if g.fused_finish else None
     timers = "timers" in flags
@@ -285,7 +285,9 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
         not a value). Only chain groups, never read in the loop, stay in flight across its back edge: ptxas
         serializes every wgmma (C7514) when an instruction in a loop reads the accumulator of a group that may be in
         flight across it, and (C7515, C7518) when one in a branch touches an accumulator, so a row block's last chunk
-        is not a branch of the loop but its end."""
+        is not a branch of the loop but its end. ``dots_release_early``: a step first waits for all the previous
+        step's groups and releases its stage, before it waits for its own, so a stage is not held while the dots wait
+        for the next one (with ``boundary``, for the vector role's post of it); the same products and sums."""
         acc_hi, acc_mid, acc_lo, sh0, sh1, sh2, sh3 = fr
         a0, a1, a2, a3, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, md0, md1, md2, md3, mds = b.smem
         h, wlo, wmid, x, ws, ss, xss, pre_prev, w_s, s, gi = b.io
@@ -295,6 +297,10 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
             for c in T.serial(nc):
                 t = j * nc + c
                 st = t % stages
+                if dots_release_early:  # (at a block's first step nothing is in flight: the block's end waited)
+                    T.wait_wgmma(0)
+                    if c > 0:
+                        release(b.empty, (t - 1) % stages, lt, b.rank)
                 timed_wait(b.full, st, (t // stages) % 2, b.tm, b.tc, 0)
                 if b.ready is not None:  # ``boundary``: the vector role has written the new residual over the stage
                     timed_wait(b.ready, st, (t // stages) % 2, b.tm, b.tc, 1)
@@ -310,8 +316,9 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                 for i, n in T.Parallel(bm, nmix):
                     acc_hi[i, n] = T.ieee_add(
                         T.ieee_add(T.ieee_add(T.ieee_add(acc_hi[i, n], sh0[i, n]), sh1[i, n]), sh2[i, n]), sh3[i, n])
-                if c > 0:
-                    release(b.empty, (t - 1) % stages, lt, b.rank)
+                if not dots_release_early:
+                    if c > 0:
+                        release(b.empty, (t - 1) % stages, lt, b.rank)
             T.wait_wgmma(0)
             release(b.empty, (j * nc + nc - 1) % stages, lt, b.rank)
             if within(j, b):
