@@ -8,8 +8,9 @@
 # mhc_isolated takes those with a cross-CTA protocol of their own (hi_multicast clusters, fused_finish counters) one
 # at a time, their bits and their probe (the whole op, kernel and stats, against the default's) each in its own
 # process with a short limit (a barrier that never completes costs that process only); mhc_boundary_isolated does the
-# same for the fused boundary (with and without hi_multicast); mhc_boundary_timers has the fused boundary's roles count their waits
-# (clock64 timers: where its time goes); mhc_stats_kernel tests and times the TileLang mhc_pre's stats kernel
+# same for the fused boundary (with and without hi_multicast, with the dots' early release); mhc_boundary_timers has
+# the fused boundary's roles count their waits (clock64 timers: where its time goes; with and without the dots' early
+# release); mhc_stats_kernel tests and times the TileLang mhc_pre's stats kernel
 # (one row a thread) against the finish kernel's stats programs it replaced.
 # Each stage runs in its own process with a time limit and the run goes on when one fails; logs and JSON land in $OUT.
 set -uo pipefail
@@ -76,7 +77,7 @@ for s in $stages; do
         --no-fused --no-post-collapse --tilelang --tilelang-configs wg1-split-v2-normwg3-ws-ml-pk-dd-xh,wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re \
         ${BOUNDARY_MS:-65536 16384 4096} ;;
     mhc_boundary_timers) run mhc_boundary_timers ${TIMERS_LIMIT:-180} python3 benchmarks/probe_mhc_pre_diag.py \
-                           ${TIMERS_MS:-65536,16384} --boundary --with-timers ;;
+                           ${TIMERS_MS:-65536,16384} --boundary --with-timers 're={"dots_release_early": true}' ;;
     mhc_stats_kernel)
       run mhc_stats_kernel_tests 120 python3 -m pytest -q -m gpu tests/lowering/test_mhc_kernel_configs.py \
         -p no:cacheprovider -rfE -k stats_kernel
