@@ -7,8 +7,8 @@ bitwise with the untuned config's, then timed as a CUDA-graph replay with the de
 
 ``--stats-rows``: instead, ``mhc_pre``'s stats programs of 16 / 32 / 64 rows (``finish_rows``) at M >= 4096.
 ``--stats-kernel``: instead, the TileLang ``mhc_pre``'s finish on random partials of M rows (default 1536, 4096,
-16384, 65536): the stats kernels with one row a thread ("rows", "rows_full") against the finish kernel's stats
-programs ("tiles"), timed in turn, with their bits compared.
+16384, 65536): the stats kernel with one row a thread ("rows_full") against the finish kernel's stats programs
+("tiles"), timed in turn, with their bits compared.
 """
 
 from __future__ import annotations
@@ -55,8 +55,7 @@ def stats_kernels(sizes: list[int]) -> None:
         ss = torch.rand(nrb * 16 * 64, device="cuda", generator=g) * k / 16
         scale = torch.rand(3, device="cuda", generator=g) + 0.5
         base = torch.randn(24, device="cuda", generator=g)
-        outs = {kern: [torch.empty((m, c), device="cuda") for c in (4, 4, 16)]
-                for kern in ("tiles", "rows", "rows_full")}
+        outs = {kern: [torch.empty((m, c), device="cuda") for c in (4, 4, 16)] for kern in ("tiles", "rows_full")}
 
         def fn(kern):
             return lambda: finish_stats(ws, ss, scale, base, *outs[kern], None, m, k, 64, ITERS, EPS, EPS,
@@ -64,14 +63,14 @@ def stats_kernels(sizes: list[int]) -> None:
         fns = {kern: fn(kern) for kern in outs}
         for f in fns.values():
             f()
-        same = all(torch.equal(a, b) for kern in ("rows", "rows_full") for a, b in zip(outs["tiles"], outs[kern]))
+        same = all(torch.equal(a, b) for a, b in zip(outs["tiles"], outs["rows_full"]))
         times = time_interleaved(fns, rounds=8)
         gb = (ws.numel() + ss.numel() + 24 * m) * 4 / 1e9
         for kern, (med, low) in times.items():
             rows.append((m, kern, same, f"{med * 1e3:.2f}", f"{low * 1e3:.2f}", f"{gb / med:.2f}"))
             print(*rows[-1], sep=" | ", flush=True)
     print_markdown("the stats of the TileLang mhc_pre's partials, us per call (CUDA-graph replays, 8 rounds in turn); "
-                   "bits = the three kernels' pre, post and comb equal",
+                   "bits = the two kernels' pre, post and comb equal",
                    ["M", "kernel", "bits", "us (median)", "us (min)", "TB/s (partials + outputs)"], rows)
 
 

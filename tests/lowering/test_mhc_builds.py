@@ -81,11 +81,9 @@ def _sm90_builds(d: int = 5120) -> tuple[list[str], list[dict]]:
         module="dsv41_passes.lowering.triton.mhc_finish", num_warps=4)
     from dsv41_passes.lowering.triton.mhc_finish import STATS_WARPS, _maxnreg_option
 
-    for kernel in ("rows", "rows_full"):
-        add(f"stats kernel {kernel}", "_stats_kernel",
-            "ws_ptr ss_ptr scale_ptr base_ptr pre_ptr post_ptr comb_ptr mix_ptr".split(), floats,
-            dict(K=4 * d, BM=64, FB=32 * STATS_WARPS, NPART=16, MIXES=False, FULL=kernel == "rows_full"),
-            module="dsv41_passes.lowering.triton.mhc_finish", num_warps=STATS_WARPS, **_maxnreg_option(kernel))
+    add("stats kernel", "_stats_kernel", "ws_ptr ss_ptr scale_ptr base_ptr pre_ptr post_ptr comb_ptr mix_ptr".split(),
+        floats, dict(K=4 * d, BM=64, FB=32 * STATS_WARPS, NPART=16, MIXES=False),
+        module="dsv41_passes.lowering.triton.mhc_finish", num_warps=STATS_WARPS, **_maxnreg_option())
     cfg = tk.DEFAULTS["mhc_boundary"]
     add("boundary", "_proj_kernel", proj_ptrs, floats,
         dict(D=d, BK=bk, BM=cfg["BLOCK_M"], XB=tk._norm_block(d, cfg["BLOCK_M"]), BOUNDARY=True, COLLAPSE=True,
@@ -150,16 +148,15 @@ def test_triton_sm90_builds_one_wgmma_shape_and_no_fma():
     for n in ("collapse norm=False", "collapse norm=True", "post", "finish kernel 16 partials",
               "finish kernel 32 partials", "pre finish=kernel split=2", "decode pre 16x4 split=2",
               "decode boundary 16x4 split=2", "decode finish kernel", "finish kernel row-major norm",
-              "post collapse split=1", "post collapse split=2", "stats kernel rows", "stats kernel rows_full"):
+              "post collapse split=1", "post collapse split=2", "stats kernel"):
         assert built[n]["usage"]["STACK"] == 0, (n, built[n]["usage"])
-    # the stats kernels: a row a thread, nothing through shared memory (no barrier), within their register budgets
+    # the stats kernel: a row a thread, nothing through shared memory (no barrier), within its register budget
     from dsv41_passes.lowering.triton.mhc_finish import STATS_MAXNREG, _maxnreg_option
 
-    for kernel in ("rows", "rows_full"):
-        stats_k = built[f"stats kernel {kernel}"]
-        assert stats_k["shared"] == 0 and "bar.sync" not in stats_k["ptx"], (kernel, stats_k["shared"])
-        if _maxnreg_option(kernel):
-            assert stats_k["usage"]["REG"] <= STATS_MAXNREG[kernel], (kernel, stats_k["usage"])
+    stats_k = built["stats kernel"]
+    assert stats_k["shared"] == 0 and "bar.sync" not in stats_k["ptx"], stats_k["shared"]
+    if _maxnreg_option():
+        assert stats_k["usage"]["REG"] <= STATS_MAXNREG, stats_k["usage"]
     from dsv41_passes.lowering.triton.mhc_finish import _gdc_wait
 
     if _gdc_wait is not None:  # the pdl option: the projection lets the finish launch, the finish waits
@@ -168,8 +165,7 @@ def test_triton_sm90_builds_one_wgmma_shape_and_no_fma():
         assert "griddepcontrol" not in built["finish kernel 16 partials"]["ptx"]
     # the stats' divisions and exponentials as pinned (``mhc_finish``; the TileLang fused finish repeats them): no
     # division the compiler picked (Triton 3.9 made ss / K an approximate reciprocal's product)
-    for n in ("finish kernel 16 partials", "decode finish kernel", "pre 64x4", "boundary", "stats kernel rows",
-              "stats kernel rows_full"):
+    for n in ("finish kernel 16 partials", "decode finish kernel", "pre 64x4", "boundary", "stats kernel"):
         ins = [i.split()[0] for i in instructions(built[n]["ptx"])]
         divs = {i for i in ins if i.startswith(("div.", "rcp.", "ex2.", "lg2."))}
         assert divs == {"div.full.f32", "div.rn.f32", "ex2.approx.f32"}, (n, divs)

@@ -304,8 +304,9 @@ def _check(op: str, h, sliced, weight):
 
 # The stats kernel after the persistent kernel (``triton.mhc_finish.finish_stats``, the same bits whichever runs):
 # "rows_full" (one row a thread, 4 whole partials a step) at every M. Run 188 (H100, the whole op, in turn
-# replays, ms): 1.509 against 1.576 for "tiles" (the finish kernel's stats programs) and 1.596 for "rows" at M = 65536,
-# 0.3756 / 0.3868 / 0.3761 at 16384, 0.0973 / 0.0980 / 0.0970 at 4096. A config's "stats_kernel" key names another.
+# replays, ms): 1.509 against 1.576 for "tiles" (the finish kernel's stats programs) and 1.596 for "rows" (4 mix
+# columns a step, since removed) at M = 65536, 0.3756 / 0.3868 / 0.3761 at 16384, 0.0973 / 0.0980 / 0.0970 at 4096.
+# A config's "stats_kernel" key names the other ("tiles").
 STATS_KERNEL = "rows_full"
 
 

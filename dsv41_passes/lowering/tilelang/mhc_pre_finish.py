@@ -135,8 +135,8 @@ def finish_loop(T, geo: SimpleNamespace):
             fv[5] = T.call_extern("float32", "dsv41_stats_rstd",
                                   T.call_extern("float32", "dsv41_tree16", T.address_of(ss[slot]), BM),
                                   T.float32(4 * d), T.float32(norm_eps))
-            fin_s[f0 + ft] = T.ieee_mul(T.call_extern("float32", "dsv41_tree16", T.address_of(ws[slot, c]), BM * 24),
-                                   fv[5])
+            fin_s[f0 + ft] = T.ieee_mul(
+                T.call_extern("float32", "dsv41_tree16", T.address_of(ws[slot, c]), BM * 24), fv[5])
             T.sync_threads(2, 96)
             if ft < 64:
                 row = rb * geo.bm + s * 4 + ft // 16

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .common import INTERPRET, pairwise_row_sum
 from .common import gdc_wait as _gdc_wait
-from .mhc_common import _NMIX, NMIX, _normalize_cols
+from .mhc_common import _NMIX, _normalize_cols
 
 _PTX = tl.constexpr(not INTERPRET)  # inline PTX only where a GPU compiles the kernel
 _LOG2E = tl.constexpr(1.4426950408889634)  # (0x3FB8AA3B in fp32)
@@ -226,16 +226,15 @@ def _quad_tree(k, q, s, h):
 def _stats_kernel(
     ws_ptr, ss_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, mix_ptr, M, iters, nloop, hc_eps, norm_eps,
     K: tl.constexpr, BM: tl.constexpr, FB: tl.constexpr, NPART: tl.constexpr, MIXES: tl.constexpr,
-    FULL: tl.constexpr,
 ):
     """``_finish_stats`` for FB consecutive rows (of any row blocks), one row a thread (FB = 32 x warps): the same
     sums in the same order, so the same bits. ``_finish_kernel``'s stats programs (FB <= 32 rows on 4 warps) hold
     each row's values in every warp, so each warp runs the whole Sinkhorn again, and move every partial tile
     through shared memory (a barrier after each tile's loads). Here nothing is computed twice and nothing is
-    shared. A runtime loop (``nloop`` steps) keeps one step's loads in flight at a time: FULL = False, 6 steps of
-    4 mix columns of the 16 partials (a row's 96-byte partial read 16 bytes at a time, 6 times); FULL = True, 4 steps
-    of 4 whole partials (24 16-byte loads; each 32-byte sector taken by one thread's neighbouring loads), the pairwise
-    tree carried over the steps (``_quad_tree``)."""
+    shared. A runtime loop (``nloop`` = 4 steps) keeps one step's loads in flight at a time: 4 whole partials a step
+    (24 16-byte loads; each 32-byte sector taken by one thread's neighbouring loads), the pairwise tree carried over
+    the steps (``_quad_tree``). (Reading 4 mix columns of the 16 partials a step, 6 steps, asked for each sector
+    twice, steps apart: 135 against 50 us at M = 65536, run 188, H100.)"""
     tl.static_assert(NPART == 16, "the stats kernel sums 16 partials a row")
     rows = tl.program_id(0).to(tl.int64) * FB + tl.arange(0, FB)
     rmask = rows < M
@@ -248,25 +247,15 @@ def _stats_kernel(
     t_c1 = tl.zeros((FB, 4), tl.float32)
     t_c2 = tl.zeros((FB, 4), tl.float32)
     t_c3 = tl.zeros((FB, 4), tl.float32)
-    if FULL:
-        s_pre, s_post, s_c0, s_c1, s_c2, s_c3 = t_pre, t_post, t_c0, t_c1, t_c2, t_c3  # (zeros; quad 0 sets them)
-        for k in range(nloop):
-            b = w0 + k * (4 * BM * _NMIX)
-            s_pre, t_pre = _quad_tree(k, _sum4(ws_ptr, b, BM * _NMIX), s_pre, t_pre)
-            s_post, t_post = _quad_tree(k, _sum4(ws_ptr, b + 4, BM * _NMIX), s_post, t_post)
-            s_c0, t_c0 = _quad_tree(k, _sum4(ws_ptr, b + 8, BM * _NMIX), s_c0, t_c0)
-            s_c1, t_c1 = _quad_tree(k, _sum4(ws_ptr, b + 12, BM * _NMIX), s_c1, t_c1)
-            s_c2, t_c2 = _quad_tree(k, _sum4(ws_ptr, b + 16, BM * _NMIX), s_c2, t_c2)
-            s_c3, t_c3 = _quad_tree(k, _sum4(ws_ptr, b + 20, BM * _NMIX), s_c3, t_c3)
-    else:
-        for q in range(nloop):
-            t = _sum16(ws_ptr, w0 + q * 4, BM * _NMIX)
-            t_pre = tl.where(q == 0, t, t_pre)
-            t_post = tl.where(q == 1, t, t_post)
-            t_c0 = tl.where(q == 2, t, t_c0)
-            t_c1 = tl.where(q == 3, t, t_c1)
-            t_c2 = tl.where(q == 4, t, t_c2)
-            t_c3 = tl.where(q == 5, t, t_c3)
+    s_pre, s_post, s_c0, s_c1, s_c2, s_c3 = t_pre, t_post, t_c0, t_c1, t_c2, t_c3  # (zeros; quad 0 sets them)
+    for k in range(nloop):
+        b = w0 + k * (4 * BM * _NMIX)
+        s_pre, t_pre = _quad_tree(k, _sum4(ws_ptr, b, BM * _NMIX), s_pre, t_pre)
+        s_post, t_post = _quad_tree(k, _sum4(ws_ptr, b + 4, BM * _NMIX), s_post, t_post)
+        s_c0, t_c0 = _quad_tree(k, _sum4(ws_ptr, b + 8, BM * _NMIX), s_c0, t_c0)
+        s_c1, t_c1 = _quad_tree(k, _sum4(ws_ptr, b + 12, BM * _NMIX), s_c1, t_c1)
+        s_c2, t_c2 = _quad_tree(k, _sum4(ws_ptr, b + 16, BM * _NMIX), s_c2, t_c2)
+        s_c3, t_c3 = _quad_tree(k, _sum4(ws_ptr, b + 20, BM * _NMIX), s_c3, t_c3)
     ss = _sum16(ss_ptr, r0, BM)
     _stats_out(t_pre, t_post, t_c0, t_c1, t_c2, t_c3, ss, rows, rmask, scale_ptr, base_ptr, pre_ptr, post_ptr,
                comb_ptr, mix_ptr, iters, hc_eps, norm_eps, K, FB, MIXES)
@@ -366,10 +355,10 @@ def _finish_parts(d: int, xb: int) -> int:
     return max(p for p in range(1, 17) if chunks % p == 0)
 
 
-# The stats kernel's launches: one warp a program (32 rows), and register budgets that let ptxas keep a step's loads in
-# flight together ("rows": 107 registers for sm_90 where it took 63 and issued 4 loads at a time on its own).
+# The stats kernel's launch: one warp a program (32 rows), and a register budget that lets ptxas keep a step's 24
+# loads in flight together (164 registers for sm_90, no spill).
 STATS_WARPS = 1
-STATS_MAXNREG = {"rows": 128, "rows_full": 168}
+STATS_MAXNREG = 168
 
 
 @functools.cache
@@ -381,16 +370,16 @@ def _takes_maxnreg() -> bool:
     return "maxnreg" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
-def _maxnreg_option(kernel: str = "rows") -> dict:
-    """``{"maxnreg": ...}`` for a stats kernel where this Triton takes the option, else nothing."""
-    return {"maxnreg": STATS_MAXNREG[kernel]} if _takes_maxnreg() else {}
+def _maxnreg_option() -> dict:
+    """``{"maxnreg": STATS_MAXNREG}`` where this Triton takes the option, else nothing."""
+    return {"maxnreg": STATS_MAXNREG} if _takes_maxnreg() else {}
 
 
 def finish_stats(ws, ss, scale, base, pre, post, comb, mix, m: int, k: int, bm: int, iters: int, hc_eps: float,
-                 norm_eps: float, launch_options: dict, kernel: str = "rows") -> None:
+                 norm_eps: float, launch_options: dict, kernel: str = "rows_full") -> None:
     """pre, post, comb (and with ``mix`` not None the pre-Sinkhorn mixes) from the partials ``ws``/``ss`` of an
-    ``m``-row projection (K = ``k``, 16 slices, ``bm``-row blocks). ``kernel``: "rows" or "rows_full"
-    (``_stats_kernel``, FULL off / on), or "tiles" (``_finish_kernel``'s stats programs); the same bits."""
+    ``m``-row projection (K = ``k``, 16 slices, ``bm``-row blocks). ``kernel``: "rows_full" (``_stats_kernel``, one
+    row a thread) or "tiles" (``_finish_kernel``'s stats programs); the same bits."""
     mixes = mix is not None
     if kernel == "tiles":
         fb = stats_rows(bm, 16)
@@ -399,10 +388,10 @@ def finish_stats(ws, ss, scale, base, pre, post, comb, mix, m: int, k: int, bm: 
             float(hc_eps), float(norm_eps), 0.0, D=k // 4, BM=bm, XB=1, NC=1, NORM=False, MIXES=mixes, NPART=16,
             PARTS=0, FB=fb, NP2=16, PDL=False, RX=0, INTERP=INTERPRET, num_warps=4, **launch_options)
         return
-    if kernel not in STATS_MAXNREG:
-        raise ValueError(f"finish_stats: kernel is one of {['tiles', *STATS_MAXNREG]}, got {kernel!r}")
-    fb, full = 32 * STATS_WARPS, kernel == "rows_full"
+    if kernel != "rows_full":
+        raise ValueError(f"finish_stats: kernel is 'rows_full' or 'tiles', got {kernel!r}")
+    fb = 32 * STATS_WARPS
     _stats_kernel[(triton.cdiv(m, fb),)](
-        ws, ss, scale, base, pre, post, comb, mix if mixes else pre, m, int(iters), 4 if full else NMIX // 4,
-        float(hc_eps), float(norm_eps), K=k, BM=bm, FB=fb, NPART=16, MIXES=mixes, FULL=full,
-        num_warps=STATS_WARPS, **launch_options, **({} if INTERPRET else _maxnreg_option(kernel)))
+        ws, ss, scale, base, pre, post, comb, mix if mixes else pre, m, int(iters), 4,
+        float(hc_eps), float(norm_eps), K=k, BM=bm, FB=fb, NPART=16, MIXES=mixes,
+        num_warps=STATS_WARPS, **launch_options, **({} if INTERPRET else _maxnreg_option()))
