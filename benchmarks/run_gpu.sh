@@ -10,7 +10,8 @@
 # process with a short limit (a barrier that never completes costs that process only); mhc_boundary_isolated does the
 # same for the fused boundary (with and without hi_multicast, with the dots' early release); mhc_boundary_timers has
 # the fused boundary's roles count their waits (clock64 timers: where its time goes; with and without the dots' early
-# release); mhc_stats_kernel tests and times the TileLang mhc_pre's stats kernel
+# release); mhc_boundary_ncu samples its warps' states by SASS instruction (Nsight Compute); mhc_stats_kernel tests
+# and times the TileLang mhc_pre's stats kernel
 # (one row a thread) against the finish kernel's stats programs it replaced.
 # Each stage runs in its own process with a time limit and the run goes on when one fails; logs and JSON land in $OUT.
 set -uo pipefail
@@ -78,6 +79,14 @@ for s in $stages; do
         ${BOUNDARY_MS:-65536 16384 4096} ;;
     mhc_boundary_timers) run mhc_boundary_timers ${TIMERS_LIMIT:-180} python3 benchmarks/probe_mhc_pre_diag.py \
                            ${TIMERS_MS:-65536,16384} --boundary --with-timers 're={"dots_release_early": true}' ;;
+    mhc_boundary_ncu)  # Nsight Compute's warp states by SASS instruction, the fused boundary's kernel at M = 65536
+      rep="${TMPDIR:-/tmp}/boundary-ncu"
+      run mhc_boundary_ncu ${NCU_LIMIT:-300} ncu --clock-control none --nvtx --nvtx-include "profile/" \
+        --kernel-name regex:pre_kernel --section SourceCounters --section WarpStateStats --section SpeedOfLight \
+        --export "$rep" -f python3 benchmarks/profile_ncu.py --only mhc_boundary_tilelang --m ${NCU_M:-65536}
+      run mhc_boundary_ncu_source 120 bash -c "ncu --import '$rep.ncu-rep' --page source --csv --print-source sass \
+        > '$rep.csv' && python3 benchmarks/ncu_source_summary.py '$rep.csv' --kernel pre_kernel --top 60 \
+        && gzip -c '$rep.csv' > '$OUT/boundary-ncu-source.csv.gz'" ;;
     mhc_stats_kernel)
       run mhc_stats_kernel_tests 120 python3 -m pytest -q -m gpu tests/lowering/test_mhc_kernel_configs.py \
         -p no:cacheprovider -rfE -k stats_kernel
