@@ -8,11 +8,11 @@
 # mhc_isolated takes those with a cross-CTA protocol of their own (hi_multicast clusters, fused_finish counters) one
 # at a time, their bits and their probe (the whole op, kernel and stats, against the default's) each in its own
 # process with a short limit (a barrier that never completes costs that process only); mhc_boundary_isolated does the
-# same for the fused boundary (with and without hi_multicast, with the dots' early release); mhc_boundary_timers has
-# the fused boundary's roles count their waits (clock64 timers: where its time goes; with and without the dots' early
-# release); mhc_boundary_ncu samples its warps' states by SASS instruction (Nsight Compute); mhc_stats_kernel tests
-# and times the TileLang mhc_pre's stats kernel
-# (one row a thread) against the finish kernel's stats programs it replaced.
+# same for the fused boundary (with and without the dots' early release, with post_prefetch); mhc_boundary_timers
+# has the fused boundary's roles count their waits (clock64 timers: where its time goes; with and without the dots'
+# early release, with post_prefetch); mhc_boundary_ncu samples its warps' states by SASS instruction (Nsight
+# Compute); mhc_stats_kernel tests and times the TileLang mhc_pre's stats kernel (one row a thread) against the finish
+# kernel's stats programs it replaced.
 # Each stage runs in its own process with a time limit and the run goes on when one fails; logs and JSON land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/dsv41-out}
@@ -43,7 +43,11 @@ print(' '.join(n for n in t.UNMEASURED if iso(t.CONFIGS[n]) == (sys.argv[1] == '
 for s in $stages; do
   case $s in
     env) run env 60 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name()); import tilelang; print('tilelang', tilelang.__version__)" ;;
-    tests) run gpu_tests ${TESTS_LIMIT:-300} python3 -m pytest -q -m gpu tests -n ${JOBS:-6} -p no:cacheprovider -rfE ;;
+    tests)  # the tests with 65536 rows one at a time after the others (4 workers ran an 80 GB card out of memory)
+      run gpu_tests ${TESTS_LIMIT:-300} python3 -m pytest -q -m gpu tests -n ${JOBS:-6} -p no:cacheprovider -rfE \
+        -k "not 65536 and not 65537"
+      run gpu_tests_64k ${TESTS_LIMIT:-300} python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfE \
+        -k "65536 or 65537" ;;
     mhc) run bench_mhc ${MHC_LIMIT:-240} python3 benchmarks/bench_mhc.py ;;
     rope_store) run bench_rope_store 300 python3 benchmarks/bench_rope_store.py ;;
     wo_a) run bench_wo_a 300 python3 benchmarks/bench_wo_a.py ;;
@@ -69,16 +73,19 @@ for s in $stages; do
         run "mhc_isolated_op_$n" ${ISOLATED_LIMIT:-150} python3 benchmarks/probe_mhc_pre_diag.py \
           ${UNMEASURED_MS:-65536,16384,4096},2048 --op "$n"
       done ;;
-    mhc_boundary_isolated)  # the fused boundary (its weight stream multicast to CTA pairs since run 191), the same
-      # without the pairs and with the dots' early release: their bits, then timed
+    mhc_boundary_isolated)  # the fused boundary (weight stream multicast to CTA pairs since run 191, the dots' early
+      # release since run 192), the same without the release and with the next block's post weights prefetched: their
+      # bits, then timed
       run mhc_boundary_isolated_tests ${ISOLATED_LIMIT:-150} python3 -m pytest -q -m gpu \
         tests/lowering/test_mhc_pre_tilelang.py -p no:cacheprovider -rfE \
-        -k "fused_boundary_matches and (default or hi_multicast or dots_release_early) and not (dots_defer or ml48 or held_norm)"
+        -k "fused_boundary_matches and (default or post_prefetch or dots_release_early) and not (hi_multicast)"
       [ $? -eq 124 ] || run mhc_boundary_isolated ${ISOLATED_LIMIT:-150} python3 benchmarks/probe_mhc_boundary.py \
-        --no-fused --no-post-collapse --tilelang --tilelang-configs wg1-split-v2-normwg3-ws-ml-pk-dd-xh,wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re \
+        --no-fused --no-post-collapse --tilelang --tilelang-configs \
+        wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc,wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-pf2,wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-pf5 \
         ${BOUNDARY_MS:-65536 16384 4096} ;;
     mhc_boundary_timers) run mhc_boundary_timers ${TIMERS_LIMIT:-180} python3 benchmarks/probe_mhc_pre_diag.py \
-                           ${TIMERS_MS:-65536,16384} --boundary --with-timers 're={"dots_release_early": true}' ;;
+                           ${TIMERS_MS:-65536,16384} --boundary --with-timers 'nore={"dots_release_early": false}' \
+                           'pf2={"post_prefetch": 2}' ;;
     mhc_boundary_ncu)  # Nsight Compute's warp states by SASS instruction, the fused boundary's kernel at M = 65536
       rep="${TMPDIR:-/tmp}/boundary-ncu"
       run mhc_boundary_ncu ${NCU_LIMIT:-300} ncu --clock-control none --nvtx --nvtx-include "profile/" \

@@ -289,6 +289,10 @@ def test_build_options_are_checked():
         tlp.build(FLASH_D, 6, EPS, **dict(mc, hi_multicast=3))
     with pytest.raises(ValueError, match="hi_multicast clusters CTAs of 2 groups, got 1"):
         tlp.partials(h, pp, None, torch.ones(FLASH_D), EPS, config=mc, groups=1)
+    bc = dict(tlp.BOUNDARY_CONFIG, boundary=True)
+    for cfg in (dict(bc, post_prefetch=11), dict(bc, post_prefetch=2, held_norm=2, norm_wg=False, norm_w_smem=False)):
+        with pytest.raises(ValueError, match="post_prefetch .* is for the boundary with the normalizing warps"):
+            tlp.build(FLASH_D, 8, EPS, **cfg)
     ff = tlp.CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-ff"]
     with pytest.raises(ValueError, match="fused_finish needs held_norm"):  # (and the model's constants)
         tlp.build(FLASH_D, 8, EPS, **ff)
@@ -347,6 +351,10 @@ def test_boundary_build(opts, tmp_path, monkeypatch):
         tail = vector[vector.index("tl::fence_proxy_async();"):]
         assert tail.index("].arrive();") < tail.index("*(uint4*)(new_res + ") < tail.index("empty[")
     assert re.search(r"tl::fence_proxy_async\(\);\s*ready\[\([^\]]* & 3\)\]\.arrive\(\);", vector)
+    # post_prefetch k: the next block's post and comb rows into L1 at step 10 - k, the only prefetches
+    assert vector.count("dsv41_prefetch_l1(") == (2 if cfg.get("post_prefetch") else 0)
+    if cfg.get("post_prefetch"):
+        assert f"if ((t % 10) == {10 - cfg['post_prefetch']}) {{" in vector
     if cfg.get("hi_multicast"):  # the pair's copies and barriers, and y only for a row block within M
         _check_hi_multicast(src, cfg)
         producer = src[src.index("for (int q = 0;"):]

@@ -198,10 +198,23 @@ CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-mc-ff"] = dict(_HELD, held_norm=3, hi_mult
 # the dots' release of a stage before their wait for the next one (``dots_release_early``): in the boundary the dots
 # wait 45% of their time for the vector role's post of the next stage and the producer 51% for a free stage (run 188,
 # H100, timers at M = 65536), while the deferred loop held each stage until that post was done; here a stage goes back
-# once its own dots are done. As an mhc_pre config and as the fused boundary's config with it (a build option there)
+# once its own dots are done. The same bits (GPU tests of run 192 at M = 1, 4096, 4097, 65536, and the boundary's at
+# 1, 1536, 4097, 65536). Run 192 (H100): as the mhc_pre default's option, the kernel alone in turn with -hn3 (medians,
+# ms) 0.3558 against 0.3686 at M = 16384, 0.0897 against 0.0901 at 4096, and at 65536 its timed build's roles ran
+# 2446k cycles against 2575k (the plain times at 65536 did not come back): the mhc_pre default since. In the boundary
+# (probe_mhc_boundary, us) 3466 against 3513 at 65536, 880.6 against 891.8 at 16384, 230.3 against 232.2 at 4096; the
+# timers' probe 3.408 against 3.459 ms at 65536 (the dots' wait for a stage 30% -> 16% of their time, the vector
+# role's 29% -> 19%): the boundary's since. As an mhc_pre config the boundary's is slower (1.484 / 0.3879 / 0.1113
+# against 1.497 / 0.3772 / 0.1007 for the op at 65536 / 16384 / 4096).
 CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re"] = dict(_HELD, held_norm=3, dots_release_early=True)
 CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re"] = dict(CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc"],
                                                            dots_release_early=True)
+# the boundary's with its row's post and comb weights of the next block prefetched into L1 (``post_prefetch`` k, at
+# step 10 - k of a block): in run 192's Nsight Compute samples of the boundary at M = 65536 (H100) the vector role's
+# first step of a block waited for those loads (7.1% of the role's samples, on the loads' scoreboard)
+for _k in (2, 5):
+    CONFIGS[f"wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-pf{_k}"] = dict(
+        CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re"], post_prefetch=_k)
 # Not kept (measured in runs 173-174 and 179-181, code not in the tree): the row's x loaded before its partials are
 # polled; the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role); the row
 # block's pre weights brought by TMA with its first stage; one stage-barrier arrival a warp instead of a thread;
@@ -210,18 +223,21 @@ CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re"] = dict(CONFIGS["wg1-split-v
 # (``dots_rs``, twenty-first session): at 128 registers a thread ptxas serializes every wgmma of it (C7512).
 # Configs written and built for sm_90a but never run on a GPU: no bits or time measured yet
 # (``benchmarks/probe_mhc_pre_diag.py --unmeasured`` times them against the default; ``run_gpu.sh mhc_unmeasured``).
-# Runs 189-190 measured the others (the fused finish's with the bug since fixed).
-UNMEASURED: tuple[str, ...] = ("wg1-split-v2-ml-pk-dd-xh-hn3-ff", "wg1-split-v2-ml-pk-dd-xh-hn3-mc-ff",
-                                "wg1-split-v2-ml-pk-dd-xh-hn3-re", "wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re")
+# Run 192 measured the fused finish's after its fix: the op 1.495 / 0.3831 / 0.0985 / 0.0528 ms against the default's
+# 1.508 / 0.3737 / 0.0973 / 0.0506 at M = 65536 / 16384 / 4096 / 2048 (-hn3-mc-ff: 1.549 / 0.3933 / 0.1028 / 0.0544),
+# the same bits: not kept.
+# The boundary's -pf configs are not yet run either (``run_gpu.sh mhc_boundary_isolated`` tests and times them).
+UNMEASURED: tuple[str, ...] = ()
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
-_ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-ml-pk-dd-xh-hn3")
+_ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-ml-pk-dd-xh-hn3-re")
 if _ENV_CONFIG not in CONFIGS:
     raise ValueError(f"DSV41_MHC_PRE_TILELANG_CONFIG={_ENV_CONFIG!r}: not one of {sorted(CONFIGS)}")
 DEFAULT_CONFIG = CONFIGS[_ENV_CONFIG]
 # the fused boundary's (``mhc_boundary``): with the normalizing warps, which take the norm off the vector role that
 # also computes the post (with ``held_norm`` instead, 5-6% slower: run 185), and the weight stream multicast to CTA
-# pairs (run 191, H100, us: 3602 against 3674 at M = 65536, 899 / 912 at 16384, 231.7 / 234.7 at 4096; the same bits)
-BOUNDARY_CONFIG = CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc"]
+# pairs (run 191, H100, us: 3602 against 3674 at M = 65536, 899 / 912 at 16384, 231.7 / 234.7 at 4096; the same bits),
+# and the dots' early release (run 192, above)
+BOUNDARY_CONFIG = CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re"]
 
 
 def _mid_lo(sliced: torch.Tensor) -> torch.Tensor:

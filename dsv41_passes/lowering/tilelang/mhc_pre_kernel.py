@@ -73,7 +73,7 @@ import contextlib
 from types import SimpleNamespace
 
 from ..mhc_weights import NUM_SLICES, slice_geometry
-from .mhc_pre_cuda import LD4_RELAXED_SOURCE, PACKED_CVT_SOURCE, X_HINTS_SOURCE
+from .mhc_pre_cuda import LD4_RELAXED_SOURCE, PACKED_CVT_SOURCE, PREFETCH_SOURCE, X_HINTS_SOURCE
 from .mhc_pre_finish import FINISH_SOURCE, finish_loop
 from .mhc_pre_macros import kernel_macros
 from .mhc_pre_roles import consumer_loops
@@ -136,7 +136,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
           norm_w_smem: bool = False, diag: str = "", norm_prepoll: bool = False, dots_defer: bool = False,
           xss_by_row: bool = False, boundary: bool = False, post_tma_store: bool = False, packed_cvt: bool = False,
           ml48: bool = False, held_norm: int = 0, held_prepoll: bool = False, hi_multicast: int = 0,
-          fused_finish: bool = False, finish_consts: tuple | None = None, dots_release_early: bool = False):
+          fused_finish: bool = False, finish_consts: tuple | None = None, dots_release_early: bool = False,
+          post_prefetch: int = 0):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
@@ -163,7 +164,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     16-byte loads, not 16 of 4 bytes; ``boundary`` (with the normalizing warps or ``held_norm``): ``mhc_boundary``, the
     post computed by the vector role from the stage's old residual and y (``mhc_pre_macros.post_chunk``) and written
     over the stage before the dots read it (barrier ``ready``); ``post_tma_store``: the new residual stored from the
-    stage by TMA;
+    stage by TMA; ``post_prefetch`` k (the boundary; ignored without it): the vector role prefetches its row's post
+    and comb weights of the next row block into L1 at step ``nc - k`` of a block (its loads there may then hit);
     ``packed_cvt``: the vector role's and the normalizing warps' bf16 <-> f32 conversions by bit operations, two
     roundings an instruction (``PACKED_CVT_SOURCE``; the same values); ``ml48`` (split roles, the mid part resident):
     the mid and lo parts resident side by side as one [48, DS] tile a stream (``wmid`` is then ``[16, 4, 48, d/16]``,
@@ -216,6 +218,10 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         raise ValueError("TileLang mhc_pre: dots_defer needs split roles")
     if dots_release_early and not dots_defer:
         raise ValueError("TileLang mhc_pre: dots_release_early is an option of dots_defer")
+    post_prefetch = int(post_prefetch) if boundary else 0  # (a boundary config built as an mhc_pre has no post)
+    if post_prefetch and not (not held_norm and 1 <= post_prefetch <= nc):
+        raise ValueError(f"TileLang mhc_pre: post_prefetch {post_prefetch} is for the boundary with the normalizing "
+                         f"warps, 1 to {nc} steps ahead")
     if post_tma_store and not boundary:
         raise ValueError("TileLang mhc_pre: post_tma_store is for the boundary")
     if boundary and not ((norm_wg or held_norm) and mid_resident) or boundary and "novec" in diag:
@@ -268,7 +274,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         xss_by_row=xss_by_row, HC=HC, lag=lag, tpr=tpr, boundary=boundary, dots_defer=dots_defer, norm_wg=norm_wg,
         producer=producer, post_tma_store=post_tma_store, packed_cvt=packed_cvt, ml48=ml48, held_norm=held_norm,
         held_prepoll=held_prepoll, hi_multicast=hi_multicast, fused_finish=fused_finish, finish_consts=finish_consts,
-        dots_release_early=dots_release_early)
+        dots_release_early=dots_release_early, post_prefetch=post_prefetch)
     mc = kernel_macros(T, geo)
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
     issue, resident, normalize_blocks = mc.issue, mc.resident, mc.normalize_blocks
@@ -281,7 +287,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
 
     launch = dict(cluster_dims=(hi_multicast, 1, 1)) if hi_multicast else {}
     prelude = (X_HINTS_SOURCE if x_hints else "") + (LD4_RELAXED_SOURCE if xss_by_row else "") + (
-        PACKED_CVT_SOURCE if packed_cvt else "") + (FINISH_SOURCE if fused_finish else "") or None
+        PACKED_CVT_SOURCE if packed_cvt else "") + (FINISH_SOURCE if fused_finish else "") + (
+        PREFETCH_SOURCE if post_prefetch else "") or None
     fin = finish_loop(T, geo) if fused_finish else None
 
     @T.macro

@@ -29,6 +29,15 @@ def post_macros(T, g: SimpleNamespace, cvt_in, cvt_out) -> SimpleNamespace:
             cm[e] = comb_in[rc, e]
 
     @T.macro
+    def post_prefetch(b, row_next):
+        """``post_prefetch``: this thread's row of the next row block (``row_next``, the last row past M), its post
+        and comb weights into L1 (a 16-byte and a 64-byte row, one line each), so that ``post_weights`` there hits."""
+        y, post_in, comb_in, new_res = b.post
+        rn = T.min(row_next, m - 1)
+        T.call_extern("handle", "dsv41_prefetch_l1", T.address_of(post_in[rn, 0]))
+        T.call_extern("handle", "dsv41_prefetch_l1", T.address_of(comb_in[rn, 0]))
+
+    @T.macro
     def post_chunk(b, st, r, hf, row, col, hv0, hv1, hv2, hv3):
         """``boundary``: this thread's values of the step's chunk of the new residual, ``post * y + comb^T res``
         with the Triton post kernel's roundings (``mhc_common._combine``: each product and sum rounded, streams in
@@ -124,5 +133,5 @@ def post_macros(T, g: SimpleNamespace, cvt_in, cvt_out) -> SimpleNamespace:
         else:
             post_global(b, row, col, hf)
 
-    return SimpleNamespace(post_weights=post_weights, post_chunk=post_chunk, post_global=post_global,
-                           post_store=post_store, post_step=post_step)
+    return SimpleNamespace(post_weights=post_weights, post_prefetch=post_prefetch, post_chunk=post_chunk,
+                           post_global=post_global, post_store=post_store, post_step=post_step)
