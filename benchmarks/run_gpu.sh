@@ -74,18 +74,18 @@ for s in $stages; do
           ${UNMEASURED_MS:-65536,16384,4096},2048 --op "$n"
       done ;;
     mhc_boundary_isolated)  # the fused boundary (weight stream multicast to CTA pairs since run 191, the dots' early
-      # release since run 192), the same without the release and with the next block's post weights prefetched: their
-      # bits, then timed
+      # release since run 192), the same without the release, with the next block's post weights prefetched and with the
+      # new residual's stores last in the step: their bits, then timed
+      b=wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc
       run mhc_boundary_isolated_tests ${ISOLATED_LIMIT:-150} python3 -m pytest -q -m gpu \
         tests/lowering/test_mhc_pre_tilelang.py -p no:cacheprovider -rfE \
-        -k "fused_boundary_matches and (default or post_prefetch or dots_release_early) and not (hi_multicast)"
-      [ $? -eq 124 ] || run mhc_boundary_isolated ${ISOLATED_LIMIT:-150} python3 benchmarks/probe_mhc_boundary.py \
-        --no-fused --no-post-collapse --tilelang --tilelang-configs \
-        wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc,wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-pf2,wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-pf5 \
+        -k "fused_boundary_matches and (default or post_prefetch or post_store_late or dots_release_early) and not (hi_multicast)"
+      [ $? -eq 124 ] || run mhc_boundary_isolated ${BOUNDARY_LIMIT:-240} python3 benchmarks/probe_mhc_boundary.py \
+        --no-fused --no-post-collapse --tilelang --tilelang-configs $b,$b-re-pf2,$b-re-pf5,$b-re-sl,$b-re-pf2-sl \
         ${BOUNDARY_MS:-65536 16384 4096} ;;
     mhc_boundary_timers) run mhc_boundary_timers ${TIMERS_LIMIT:-180} python3 benchmarks/probe_mhc_pre_diag.py \
                            ${TIMERS_MS:-65536,16384} --boundary --with-timers 'nore={"dots_release_early": false}' \
-                           'pf2={"post_prefetch": 2}' ;;
+                           'pf2={"post_prefetch": 2}' 'sl={"post_store_late": true}' ;;
     mhc_boundary_ncu)  # Nsight Compute's warp states by SASS instruction, the fused boundary's kernel at M = 65536
       rep="${TMPDIR:-/tmp}/boundary-ncu"
       run mhc_boundary_ncu ${NCU_LIMIT:-300} ncu --clock-control none --nvtx --nvtx-include "profile/" \

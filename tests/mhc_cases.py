@@ -30,7 +30,7 @@ PRE_CONFIG_NAMES = ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-produce
 # the fused boundary's build options its build and GPU tests take on its config (BOUNDARY_CONFIG: it has hi_multicast
 # 2, dots_defer, packed_cvt and ml48; the multicast off, and with it each of the others the multicast needs)
 BOUNDARY_OPTS = [{}, {"post_tma_store": True}, {"packed_cvt": False}, {"dots_release_early": False},
-                 {"post_prefetch": 2}, {"hi_multicast": 0},
+                 {"post_prefetch": 2}, {"post_store_late": True}, {"hi_multicast": 0},
                  {"hi_multicast": 0, "dots_defer": False, "dots_release_early": False},
                  {"hi_multicast": 0, "ml48": False},
                  {"hi_multicast": 0, "held_norm": 2, "norm_wg": False, "norm_w_smem": False}]

@@ -293,6 +293,8 @@ def test_build_options_are_checked():
     for cfg in (dict(bc, post_prefetch=11), dict(bc, post_prefetch=2, held_norm=2, norm_wg=False, norm_w_smem=False)):
         with pytest.raises(ValueError, match="post_prefetch .* is for the boundary with the normalizing warps"):
             tlp.build(FLASH_D, 8, EPS, **cfg)
+    with pytest.raises(ValueError, match="post_store_late is for the boundary with the normalizing warps, without"):
+        tlp.build(FLASH_D, 8, EPS, **dict(bc, post_store_late=True, post_tma_store=True))
     ff = tlp.CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-ff"]
     with pytest.raises(ValueError, match="fused_finish needs held_norm"):  # (and the model's constants)
         tlp.build(FLASH_D, 8, EPS, **ff)
@@ -350,6 +352,9 @@ def test_boundary_build(opts, tmp_path, monkeypatch):
         assert "new_res + " not in post
         tail = vector[vector.index("tl::fence_proxy_async();"):]
         assert tail.index("].arrive();") < tail.index("*(uint4*)(new_res + ") < tail.index("empty[")
+        if cfg.get("norm_wg"):  # post_store_late: after the step's x stores (the x_hints helper), else before them
+            xs = tail.index("dsv41_st16_evict_last(")
+            assert (xs < tail.index("*(uint4*)(new_res + ")) == bool(cfg.get("post_store_late"))
     assert re.search(r"tl::fence_proxy_async\(\);\s*ready\[\([^\]]* & 3\)\]\.arrive\(\);", vector)
     # post_prefetch k: the next block's post and comb rows into L1 at step 10 - k, the only prefetches
     assert vector.count("dsv41_prefetch_l1(") == (2 if cfg.get("post_prefetch") else 0)
@@ -371,6 +376,7 @@ def test_boundary_build(opts, tmp_path, monkeypatch):
         sass = subprocess.run([str(tool), "-sass", str(cubins[0])], capture_output=True, text=True).stdout
         assert sass.count("WARPGROUP.DEPBAR") == src.count("tl::wait_wgmma<")
         assert ("F2F.BF16.F32 " in sass) != bool(cfg.get("packed_cvt"))
+        assert sass.count("CCTL.E.PF1 ") == (2 if cfg.get("post_prefetch") else 0)  # prefetch.global.L1
 
 
 def test_boundary_inputs_are_checked():

@@ -2,9 +2,9 @@
 collapse + RMSNorm written to HBM once (``mhc_pre_kernel``), then the Triton stats kernel on its partials.
 It gives the Triton kernel's bits. The op runs it from ``lowering.mhc.TILELANG_PRE_MIN_M`` (1536) tokens up:
 with split roles, the vector work on two warpgroups and the norm on three warps of the producer warpgroup
-(``wg1-split-v2-normwg3``, run 174; with the norm weights in shared memory, ``wg1-split-v2-normwg3-ws``, the default
-since run 181) it measured 13-22% faster than the Triton op from M = 1536 up on the H200, level at 1024 and slower
-at decode sizes (``docs/performance.md``).
+(``wg1-split-v2-normwg3``, run 174) it measured 13-22% faster than the Triton op from M = 1536 up on the H200, level
+at 1024 and slower at decode sizes (``docs/performance.md``). ``DEFAULT_CONFIG`` and the fused boundary's
+``BOUNDARY_CONFIG`` are named below with the runs that chose them.
 Here: the launch configs, the compiled-kernel cache, the input checks and the host wrappers.
 """
 
@@ -215,6 +215,13 @@ CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re"] = dict(CONFIGS["wg1-split-v
 for _k in (2, 5):
     CONFIGS[f"wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-pf{_k}"] = dict(
         CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re"], post_prefetch=_k)
+# the same samples had the vector role wait 12% of them for its global stores to read their registers (a later
+# instruction reusing one): with ``post_store_late`` the new residual's stores come last in the step, after the x
+# stores, where the next step's stage wait follows (126 -> 118 registers in the sm_90a build, no spills)
+CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-sl"] = dict(CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re"],
+                                                              post_store_late=True)
+CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-pf2-sl"] = dict(
+    CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-pf2"], post_store_late=True)
 # Not kept (measured in runs 173-174 and 179-181, code not in the tree): the row's x loaded before its partials are
 # polled; the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role); the row
 # block's pre weights brought by TMA with its first stage; one stage-barrier arrival a warp instead of a thread;
@@ -226,7 +233,7 @@ for _k in (2, 5):
 # Run 192 measured the fused finish's after its fix: the op 1.495 / 0.3831 / 0.0985 / 0.0528 ms against the default's
 # 1.508 / 0.3737 / 0.0973 / 0.0506 at M = 65536 / 16384 / 4096 / 2048 (-hn3-mc-ff: 1.549 / 0.3933 / 0.1028 / 0.0544),
 # the same bits: not kept.
-# The boundary's -pf configs are not yet run either (``run_gpu.sh mhc_boundary_isolated`` tests and times them).
+# The boundary's -pf and -sl configs are not yet run either (``run_gpu.sh mhc_boundary_isolated`` tests and times them).
 UNMEASURED: tuple[str, ...] = ()
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
 _ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-ml-pk-dd-xh-hn3-re")

@@ -137,7 +137,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
           xss_by_row: bool = False, boundary: bool = False, post_tma_store: bool = False, packed_cvt: bool = False,
           ml48: bool = False, held_norm: int = 0, held_prepoll: bool = False, hi_multicast: int = 0,
           fused_finish: bool = False, finish_consts: tuple | None = None, dots_release_early: bool = False,
-          post_prefetch: int = 0):
+          post_prefetch: int = 0, post_store_late: bool = False):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
@@ -166,6 +166,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     over the stage before the dots read it (barrier ``ready``); ``post_tma_store``: the new residual stored from the
     stage by TMA; ``post_prefetch`` k (the boundary; ignored without it): the vector role prefetches its row's post
     and comb weights of the next row block into L1 at step ``nc - k`` of a block (its loads there may then hit);
+    ``post_store_late`` (the boundary with the normalizing warps, without ``post_tma_store``): the new residual's
+    global stores issued at the end of the vector role's step, after the x stores, instead of right after ``ready``;
     ``packed_cvt``: the vector role's and the normalizing warps' bf16 <-> f32 conversions by bit operations, two
     roundings an instruction (``PACKED_CVT_SOURCE``; the same values); ``ml48`` (split roles, the mid part resident):
     the mid and lo parts resident side by side as one [48, DS] tile a stream (``wmid`` is then ``[16, 4, 48, d/16]``,
@@ -222,6 +224,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     if post_prefetch and not (not held_norm and 1 <= post_prefetch <= nc):
         raise ValueError(f"TileLang mhc_pre: post_prefetch {post_prefetch} is for the boundary with the normalizing "
                          f"warps, 1 to {nc} steps ahead")
+    if post_store_late and not (boundary and not held_norm and not post_tma_store):
+        raise ValueError("TileLang mhc_pre: post_store_late is for the boundary with the normalizing warps, without "
+                         "post_tma_store")
     if post_tma_store and not boundary:
         raise ValueError("TileLang mhc_pre: post_tma_store is for the boundary")
     if boundary and not ((norm_wg or held_norm) and mid_resident) or boundary and "novec" in diag:
@@ -274,7 +279,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         xss_by_row=xss_by_row, HC=HC, lag=lag, tpr=tpr, boundary=boundary, dots_defer=dots_defer, norm_wg=norm_wg,
         producer=producer, post_tma_store=post_tma_store, packed_cvt=packed_cvt, ml48=ml48, held_norm=held_norm,
         held_prepoll=held_prepoll, hi_multicast=hi_multicast, fused_finish=fused_finish, finish_consts=finish_consts,
-        dots_release_early=dots_release_early, post_prefetch=post_prefetch)
+        dots_release_early=dots_release_early, post_prefetch=post_prefetch, post_store_late=post_store_late)
     mc = kernel_macros(T, geo)
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
     issue, resident, normalize_blocks = mc.issue, mc.resident, mc.normalize_blocks

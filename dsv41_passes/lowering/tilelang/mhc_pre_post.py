@@ -130,7 +130,7 @@ def post_macros(T, g: SimpleNamespace, cvt_in, cvt_out) -> SimpleNamespace:
         if post_tma_store:
             if lt < 32:
                 post_store(b, t, s, gi)
-        else:
+        elif not g.post_store_late:  # (else the caller stores it at the end of the step)
             post_global(b, row, col, hf)
 
     return SimpleNamespace(post_weights=post_weights, post_prefetch=post_prefetch, post_chunk=post_chunk,

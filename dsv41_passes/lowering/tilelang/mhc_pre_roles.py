@@ -106,6 +106,8 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
                             xq[v] = T.ieee_fmaf(xf[v], xf[v], xq[v])
                     if "noxstore" not in flags:
                         store_x(x, row, col, hf, xo, "last")
+                    if boundary and geo.post_store_late:  # the new residual's stores last: nothing reuses their
+                        mc.post_global(b, row, col, hf)  # registers before the next step's stage wait
                 if mma and "nodots" not in flags:
                     T.wait_wgmma(0)
                     for i, n in T.Parallel(bm, NMIX):
