@@ -3,7 +3,10 @@ instructions with the most samples (offsets from the kernel's first instruction,
 
     ncu ... --section SourceCounters --section WarpStateStats --export /tmp/r python3 ...
     ncu --import /tmp/r.ncu-rep --page source --csv --print-source sass > source.csv
-    python3 benchmarks/ncu_source_summary.py source.csv [--kernel pre_kernel] [--top 30]
+    python3 benchmarks/ncu_source_summary.py source.csv [--kernel pre_kernel] [--top 30] [--ranges 0-6800,8310-b020]
+
+``--ranges``: also the reasons and the top instructions of each range of offsets (hex, end excluded), e.g. the roles
+of a warp-specialized kernel as its SASS lays them out.
 """
 
 from __future__ import annotations
@@ -26,21 +29,24 @@ def kernels(path: str) -> list[dict]:
     return out
 
 
-def summary(k: dict, top: int) -> str:
+def sites(k: dict) -> list[tuple]:
+    """``(samples, offset, source, {reason: samples})`` of each instruction (offset from the kernel's first)."""
     h = k["header"]
     ix = {n: i for i, n in enumerate(h)}
     reasons = [n for n in h if n.startswith("stall_") and "Not Issued" not in n]
     base = int(k["rows"][0][ix["Address"]], 16)
+    return [(float(r[ix["# Samples"]] or 0), int(r[ix["Address"]], 16) - base, r[ix["Source"]].strip(),
+             {n[6:]: float(r[ix[n]] or 0) for n in reasons}) for r in k["rows"]]
+
+
+def summary(title: str, rows: list[tuple], top: int) -> str:
     totals: collections.Counter = collections.Counter()
-    sites = []
-    for r in k["rows"]:
-        st = {n[6:]: float(r[ix[n]] or 0) for n in reasons}
-        totals.update(st)
-        sites.append((float(r[ix["# Samples"]] or 0), int(r[ix["Address"]], 16) - base, r[ix["Source"]].strip(), st))
-    n = sum(site[0] for site in sites)
-    lines = [f"== {k['name'][:80]}: {n:.0f} samples",
+    for site in rows:
+        totals.update(site[3])
+    n = sum(site[0] for site in rows) or 1.0
+    lines = [f"== {title}: {n:.0f} samples",
              "   reasons: " + ", ".join(f"{a} {v / n:.1%}" for a, v in totals.most_common(10))]
-    for cnt, off, src, st in sorted(sites, key=lambda s: -s[0])[:top]:
+    for cnt, off, src, st in sorted(rows, key=lambda s: -s[0])[:top]:
         why = ", ".join(f"{a} {v:.0f}" for a, v in sorted(st.items(), key=lambda kv: -kv[1])[:3] if v)
         lines.append(f"   {cnt:6.0f} {cnt / n:5.1%} {off:05x}  {src[:64]:64} {why}")
     return "\n".join(lines)
@@ -51,10 +57,15 @@ def main() -> None:
     ap.add_argument("csv")
     ap.add_argument("--kernel", default="", help="only kernels whose name contains this")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--ranges", default="", help="comma-separated hex offset ranges START-END to summarize apart")
     a = ap.parse_args()
+    ranges = [tuple(int(x, 16) for x in part.split("-")) for part in a.ranges.split(",") if part]
     for k in kernels(a.csv):
         if a.kernel in k["name"] and k["rows"]:
-            print(summary(k, a.top))
+            rows = sites(k)
+            print(summary(k["name"][:80], rows, a.top))
+            for lo, hi in ranges:
+                print(summary(f"offsets {lo:05x}-{hi:05x}", [r for r in rows if lo <= r[1] < hi], a.top))
 
 
 if __name__ == "__main__":
