@@ -356,8 +356,8 @@ def test_boundary_build(opts, tmp_path, monkeypatch):
             xs = tail.index("dsv41_st16_evict_last(")
             assert (xs < tail.index("*(uint4*)(new_res + ")) == bool(cfg.get("post_store_late"))
     assert re.search(r"tl::fence_proxy_async\(\);\s*ready\[\([^\]]* & 3\)\]\.arrive\(\);", vector)
-    # post_prefetch k: the next block's post and comb rows into L1 at step 10 - k, the only prefetches
-    assert vector.count("dsv41_prefetch_l1(") == (2 if cfg.get("post_prefetch") else 0)
+    # post_prefetch k: the next block's post and comb rows and the pre row after into L1 at step 10 - k, the only ones
+    assert vector.count("dsv41_prefetch_l1(") == (3 if cfg.get("post_prefetch") else 0)
     if cfg.get("post_prefetch"):
         assert f"if ((t % 10) == {10 - cfg['post_prefetch']}) {{" in vector
     if cfg.get("hi_multicast"):  # the pair's copies and barriers, and y only for a row block within M
@@ -376,7 +376,7 @@ def test_boundary_build(opts, tmp_path, monkeypatch):
         sass = subprocess.run([str(tool), "-sass", str(cubins[0])], capture_output=True, text=True).stdout
         assert sass.count("WARPGROUP.DEPBAR") == src.count("tl::wait_wgmma<")
         assert ("F2F.BF16.F32 " in sass) != bool(cfg.get("packed_cvt"))
-        assert sass.count("CCTL.E.PF1 ") == (2 if cfg.get("post_prefetch") else 0)  # prefetch.global.L1
+        assert sass.count("CCTL.E.PF1 ") == (3 if cfg.get("post_prefetch") else 0)  # prefetch.global.L1
 
 
 def test_boundary_inputs_are_checked():

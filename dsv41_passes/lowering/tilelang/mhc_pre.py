@@ -209,13 +209,14 @@ CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-mc-ff"] = dict(_HELD, held_norm=3, hi_mult
 CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re"] = dict(_HELD, held_norm=3, dots_release_early=True)
 CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re"] = dict(CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc"],
                                                            dots_release_early=True)
-# the boundary's with its row's post and comb weights of the next block prefetched into L1 (``post_prefetch`` k, at
-# step 10 - k of a block): in run 192's Nsight Compute samples of the boundary at M = 65536 (H100) the vector role's
-# first step of a block waited for those loads (7.1% of the role's samples, on the loads' scoreboard)
+# the boundary's with its row's post and comb weights of the next block and its pre weights of the block after
+# prefetched into L1 (``post_prefetch`` k, at step 10 - k of a block): in run 193's Nsight Compute samples of the
+# boundary at M = 65536 (H100) the vector role's first step of a block waited for the loads of those (7.1% of the
+# samples in its loop, on the loads' scoreboard)
 for _k in (2, 5):
     CONFIGS[f"wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-pf{_k}"] = dict(
         CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re"], post_prefetch=_k)
-# the same samples had the vector role wait 12% of them for its global stores to read their registers (a later
+# the same samples had the vector role wait 12% of its loop's for its global stores to read their registers (a later
 # instruction reusing one): with ``post_store_late`` the new residual's stores come last in the step, after the x
 # stores, where the next step's stage wait follows (126 -> 118 registers in the sm_90a build, no spills)
 CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-sl"] = dict(CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re"],

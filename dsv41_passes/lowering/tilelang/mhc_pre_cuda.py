@@ -66,8 +66,8 @@ __device__ __forceinline__ void dsv41_norm_bf16x8(void* x8, const float* w8, flo
   *reinterpret_cast<uint4*>(x8) = v;
 }
 """
-# a row's post and comb weights of the next row block fetched into L1 ahead of their loads (``post_prefetch``): in
-# the boundary the loads at a block's first step waited on DRAM (run 192's Nsight Compute samples)
+# a row's weights of the next row blocks fetched into L1 ahead of their loads (``post_prefetch``): in the boundary
+# the loads at a block's first step waited on DRAM (run 193's Nsight Compute samples)
 PREFETCH_SOURCE = r"""
 __device__ __forceinline__ void dsv41_prefetch_l1(const void* p) {
   asm volatile("prefetch.global.L1 [%0];" :: "l"(p));

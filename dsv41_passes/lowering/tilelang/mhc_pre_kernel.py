@@ -165,7 +165,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     post computed by the vector role from the stage's old residual and y (``mhc_pre_macros.post_chunk``) and written
     over the stage before the dots read it (barrier ``ready``); ``post_tma_store``: the new residual stored from the
     stage by TMA; ``post_prefetch`` k (the boundary; ignored without it): the vector role prefetches its row's post
-    and comb weights of the next row block into L1 at step ``nc - k`` of a block (its loads there may then hit);
+    and comb weights of the next row block, and its pre weights of the block after, into L1 at step ``nc - k`` of a
+    block (the loads at the next block's first step may then hit);
     ``post_store_late`` (the boundary with the normalizing warps, without ``post_tma_store``): the new residual's
     global stores issued at the end of the vector role's step, after the x stores, instead of right after ``ready``;
     ``packed_cvt``: the vector role's and the normalizing warps' bf16 <-> f32 conversions by bit operations, two

@@ -29,13 +29,16 @@ def post_macros(T, g: SimpleNamespace, cvt_in, cvt_out) -> SimpleNamespace:
             cm[e] = comb_in[rc, e]
 
     @T.macro
-    def post_prefetch(b, row_next):
-        """``post_prefetch``: this thread's row of the next row block (``row_next``, the last row past M), its post
-        and comb weights into L1 (a 16-byte and a 64-byte row, one line each), so that ``post_weights`` there hits."""
+    def post_prefetch(b, row_next, pre_prev, row_after):
+        """``post_prefetch``: into L1, this thread's row of the next row block (``row_next``; the last row past M): its
+        post and comb weights (a 16-byte and a 64-byte row, one line each), which ``post_weights`` loads there; and its
+        row of the block after (``row_after``): the pre weights that ``block_start`` loads there, a block ahead (ptxas
+        copies them into the registers they are kept in at once, so that load's latency is waited for there too)."""
         y, post_in, comb_in, new_res = b.post
         rn = T.min(row_next, m - 1)
         T.call_extern("handle", "dsv41_prefetch_l1", T.address_of(post_in[rn, 0]))
         T.call_extern("handle", "dsv41_prefetch_l1", T.address_of(comb_in[rn, 0]))
+        T.call_extern("handle", "dsv41_prefetch_l1", T.address_of(pre_prev[T.min(row_after, m - 1), 0]))
 
     @T.macro
     def post_chunk(b, st, r, hf, row, col, hv0, hv1, hv2, hv3):

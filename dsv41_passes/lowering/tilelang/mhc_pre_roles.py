@@ -79,7 +79,7 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
                 if vec and boundary and c == 0:
                     mc.post_weights(b, row)
                 if vec and boundary and geo.post_prefetch and c == nc - geo.post_prefetch:
-                    mc.post_prefetch(b, row + back * bm)
+                    mc.post_prefetch(b, row + back * bm, pre_prev, row + 2 * back * bm)
                 timed_wait(full, st, (t // stages) % 2, b.tm, b.tc, 0)
                 if mma and boundary:  # the vector role has written the new residual over the stage
                     timed_wait(b.ready, st, (t // stages) % 2, b.tm, b.tc, 1)
