@@ -468,7 +468,7 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                            timed_wait=timed_wait, publish=publish, dots_deferred=dots_deferred,
                            post_weights=post.post_weights, post_chunk=post.post_chunk, post_global=post.post_global,
                            post_store=post.post_store, post_prefetch=post.post_prefetch, publish_sums=publish_sums,
-                           collapsed=collapsed,
-                           block_start=block_start, sums_collapse=sums_collapse, post_step=post.post_step,
+                           collapsed=collapsed, block_start=block_start, sums_collapse=sums_collapse,
+                           post_step=post.post_step,
                            poll_issue=poll_issue, release=release, count_block=count_block, within=within,
                            timers_start=timers_start, timers_write=timers_write)
