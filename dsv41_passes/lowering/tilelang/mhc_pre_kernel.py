@@ -167,8 +167,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     stage by TMA; ``post_prefetch`` k (the boundary; ignored without it): the vector role prefetches its row's post
     and comb weights of the next row block, and its pre weights of the block after, into L1 at step ``nc - k`` of a
     block (the loads at the next block's first step may then hit);
-    ``post_store_late`` (the boundary with the normalizing warps, without ``post_tma_store``): the new residual's
-    global stores issued at the end of the vector role's step, after the x stores, instead of right after ``ready``;
+    ``post_store_late`` (the boundary with the normalizing warps, without ``post_tma_store``; ignored without the
+    boundary): the new residual's global stores issued at the end of the vector role's step, after the x stores,
+    instead of right after ``ready``;
     ``packed_cvt``: the vector role's and the normalizing warps' bf16 <-> f32 conversions by bit operations, two
     roundings an instruction (``PACKED_CVT_SOURCE``; the same values); ``ml48`` (split roles, the mid part resident):
     the mid and lo parts resident side by side as one [48, DS] tile a stream (``wmid`` is then ``[16, 4, 48, d/16]``,
@@ -221,11 +222,13 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         raise ValueError("TileLang mhc_pre: dots_defer needs split roles")
     if dots_release_early and not dots_defer:
         raise ValueError("TileLang mhc_pre: dots_release_early is an option of dots_defer")
-    post_prefetch = int(post_prefetch) if boundary else 0  # (a boundary config built as an mhc_pre has no post)
-    if post_prefetch and not (not held_norm and 1 <= post_prefetch <= nc):
+    # the post's options: a boundary config built as an mhc_pre (no post) leaves them out
+    post_prefetch = int(post_prefetch) if boundary else 0
+    post_store_late = bool(post_store_late) and boundary
+    if post_prefetch and (held_norm or not 1 <= post_prefetch <= nc):
         raise ValueError(f"TileLang mhc_pre: post_prefetch {post_prefetch} is for the boundary with the normalizing "
                          f"warps, 1 to {nc} steps ahead")
-    if post_store_late and not (boundary and not held_norm and not post_tma_store):
+    if post_store_late and (held_norm or post_tma_store):
         raise ValueError("TileLang mhc_pre: post_store_late is for the boundary with the normalizing warps, without "
                          "post_tma_store")
     if post_tma_store and not boundary:

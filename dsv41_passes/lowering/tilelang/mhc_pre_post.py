@@ -13,6 +13,7 @@ def post_macros(T, g: SimpleNamespace, cvt_in, cvt_out) -> SimpleNamespace:
     ``mhc_pre_macros``' packed bf16 conversions)."""
     m, d, nrun, vals, run_col, packed_cvt = g.m, g.d, g.nrun, g.vals, g.run_col, g.packed_cvt
     stages, groups, bm, ds, bk, nc, post_tma_store = g.stages, g.groups, g.bm, g.ds, g.bk, g.nc, g.post_tma_store
+    post_store_late = g.post_store_late
     bf16, f32 = "bfloat16", "float32"
 
     @T.macro
@@ -133,7 +134,7 @@ def post_macros(T, g: SimpleNamespace, cvt_in, cvt_out) -> SimpleNamespace:
         if post_tma_store:
             if lt < 32:
                 post_store(b, t, s, gi)
-        elif not g.post_store_late:  # (else the caller stores it at the end of the step)
+        elif not post_store_late:  # (else the caller stores it at the end of the step)
             post_global(b, row, col, hf)
 
     return SimpleNamespace(post_weights=post_weights, post_prefetch=post_prefetch, post_chunk=post_chunk,
