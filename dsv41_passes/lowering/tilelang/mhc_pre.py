@@ -218,7 +218,10 @@ for _k in (2, 5):
         CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re"], post_prefetch=_k)
 # the same samples had the vector role wait 12% of its loop's for its global stores to read their registers (a later
 # instruction reusing one): with ``post_store_late`` the new residual's stores come last in the step, after the x
-# stores, where the next step's stage wait follows (126 -> 118 registers in the sm_90a build, no spills)
+# stores, where the next step's stage wait follows (126 -> 118 registers in the sm_90a build, no spills).
+# Run 196 (H100, probe_mhc_boundary, us at 65536 / 16384 / 4096): -pf2 3505 / 892.1 / 232.1, -pf5 3514 / 891.4 / 232.5,
+# -sl 3508 / 892.4 / 233.1, -pf2-sl 3522 / 895.2 / 233.5 against the default's 3477 / 884.5 / 230.7 (the same bits):
+# 0.8-1% slower, the vector role's and the dots' waits as the default's (timers). Not kept.
 CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-sl"] = dict(CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re"],
                                                               post_store_late=True)
 CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-pf2-sl"] = dict(
@@ -234,7 +237,6 @@ CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-pf2-sl"] = dict(
 # Run 192 measured the fused finish's after its fix: the op 1.495 / 0.3831 / 0.0985 / 0.0528 ms against the default's
 # 1.508 / 0.3737 / 0.0973 / 0.0506 at M = 65536 / 16384 / 4096 / 2048 (-hn3-mc-ff: 1.549 / 0.3933 / 0.1028 / 0.0544),
 # the same bits: not kept.
-# The boundary's -pf and -sl configs are not yet run either (``run_gpu.sh mhc_boundary_isolated`` tests and times them).
 UNMEASURED: tuple[str, ...] = ()
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
 _ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-ml-pk-dd-xh-hn3-re")

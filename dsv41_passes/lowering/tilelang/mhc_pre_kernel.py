@@ -11,13 +11,15 @@ un-normalized collapse, which a second launch reads and rewrites (20 KB a token 
 have to move). Here:
 
 * CTA ``(g, s)`` (``groups * 16`` of them, at most one per SM) owns K slice ``s`` and walks row blocks
-  ``g, g + groups, ...``. The slice's ``hi`` and ``mid`` parts (``[4, 24, D/16]`` bf16 each, 120 KiB)
-  are loaded into shared memory once; the ``lo`` part and the residual come in by TMA, four stages
-  deep, one (chunk, 4 streams) step a stage. The pipeline is written out (mbarriers; one warpgroup
-  computes and its elected thread issues the copies).
-* The projection is ``wgmma m64n24k16``: the mix columns are not padded to 32 (TileLang splits an
-  N of 24 into n8 atoms; ``_n24`` lets it emit the one instruction). 12 wgmma groups a step run
-  asynchronously beside the sums of squares and the collapse, which read the same shared tiles.
+  ``g, g + groups, ...``. Two of the slice's three weight parts (``[4, 24, D/16]`` bf16 each, 120 KiB: hi and
+  mid, or with ``ml48``, every default since run 183, mid and lo side by side) are loaded into shared memory
+  once; the third part and the residual come in by TMA, four stages deep, one (chunk, 4 streams) step a
+  stage. The pipeline is written out (mbarriers; the copies issued by a producer warpgroup, or by one
+  elected consumer thread without it).
+* The projection is ``wgmma m64n24k16`` (``m64n48k16`` for the mid and lo chains with ``ml48``): the mix
+  columns are not padded to 32 (TileLang splits an N of 24 into n8 atoms; ``_n24`` lets it emit the one
+  instruction). The wgmmas run asynchronously beside the sums of squares and the collapse, which read the
+  same shared tiles.
 * The collapse of a row block is written un-normalized (it should stay in L2: the residual is loaded
   evict-first) and the CTA publishes its slice partials at the block's end: mixes and sums of squares
   in the Triton finish kernel's layout, the norm's sum of squares last, into a buffer filled with
@@ -41,30 +43,14 @@ Cross-CTA waits: a CTA waits only for the 16 CTAs of its own group, ``LAG`` row 
 grid is at most one CTA per SM (212 KiB of shared memory each), so every CTA a wait depends on is
 resident or, with another kernel on the device, scheduled once that kernel's blocks retire.
 
-Warpgroups (``mhc_pre.CONFIGS``; the measurements behind each step are in ``docs/performance.md``, "What runs
-107-110 / 111-117 / 123-129 changed"):
-
-* ``producer``: a warpgroup of its own issues the copies (warp 0); the consumers release a stage on the
-  mbarrier ``empty`` once its wgmma and their reads are done, and never sync the CTA (run 107: 1.86 -> 1.60 ms
-  at M = 65536). With 384 threads the registers move to the consumers by ``setmaxnreg`` (24 / 240).
-* ``split_roles``: warpgroup 1 issues the 12 dots and sums the hi parts, warpgroup 2 the sums of squares, the
-  collapse and the norm, with the pre weights loaded a block ahead (run 115: 1.47 ms).
-* ``vec_wgs=2`` (config ``wg1-split-v2``, the default from run 123 to 173): the second role on warpgroups 2 and 3, four
-  threads a row, each owning one run of 8 columns of a chunk (``run_col``), two warps a scheduler; the tree of the
-  sums of squares pairs the same runs, so the bits are unchanged. 512 threads keep the launch's 128 registers
-  (109 used, no spills). Run 123: 1.554 -> 1.443 ms at 65536; the profile then has L2 83% and DRAM 63% busy
-  (run 124, M = 16384), and x partly goes out to DRAM and back before its normalization.
-* Slower or no faster (kept as configs, measured in ``docs/performance.md``): two rings on alternate row blocks
-  (``rings=2``), 128-row blocks (``wgs=2``), the mid part streamed, ``lag`` 1 or 3, L2 eviction policies on the x
-  stores (``x_hints``, config ``wg1-split-v2-xhints``: 8% fewer DRAM bytes, the same time).
-* ``norm_wg`` (config ``wg1-split-v2-normwg``): warps 2-3 of the producer warpgroup normalize each row block, handed
-  over on an mbarrier ring, instead of the vector role a chunk a step; same bits, the same L2 bytes, 2% faster at
-  prefill sizes and 5% slower at 4096 (runs 135, 137). On warps 1-3 (``norm_warps=3``, config
-  ``wg1-split-v2-normwg3``, the default from run 174 to 180) it is 2-9% faster than ``wg1-split-v2`` from M = 4096 up
-  and 13% at 2048 (runs 173-174); each pass of these warps is a poll and a reload at L2 latency.
-* ``norm_w_smem`` (config ``wg1-split-v2-normwg3-ws``, the default since run 181): those warps read the norm weights
-  from the consumers' shared copy. The ``diag`` timers (run 179) have them busy 98% of the kernel at M = 65536, so
-  they pace it; this takes 1-4% off (same bits).
+Warpgroups (the options are ``build``'s; which were measured, kept or dropped, and why, is in ``mhc_pre.CONFIGS``
+and ``docs/performance.md``): every default has a producer warpgroup (``producer``: warp 0 issues the copies, the
+consumers release a stage on the mbarrier ``empty`` and never sync the CTA), the dots on one warpgroup and the sums of
+squares, collapse (and with ``boundary`` the post) on two (``split_roles``, ``vec_wgs=2``, four threads a row, two
+warps a scheduler; the tree of the sums of squares pairs the same runs, so the bits are unchanged). The norm is done
+either by warps 1-3 of the producer warpgroup as each row block is handed over (``norm_wg``, ``norm_warps=3``, the
+fused boundary's default) or by the vector role a block later from registers (``held_norm``, the ``mhc_pre``
+default, registers moved between the roles by ``setmaxnreg``).
 """
 
 # No ``from __future__ import annotations``: TileLang evaluates the prim_func annotations.
