@@ -212,6 +212,16 @@ def plot(rows, fams, path, title):
     plt.close(fig)
 
 
+def write_json(path: Path, payload: dict) -> None:
+    """The rows with the date, command line and versions (``complete`` False while token counts are left)."""
+    from benchmarks.common import versions
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    path.write_text(json.dumps({"benchmark": "prefill", "date": date, "argv": sys.argv, "versions": versions(),
+                                **payload}, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -269,6 +279,9 @@ def main() -> None:
                 err = ((o - ref).abs().max() / ref.abs().max()).item()
                 checks[f"{b} {s} M={m}"] = err
                 print(f"M={m:6d} {b:8s} {s:8s} max |h - eager| / max |eager| = {err:.2e}", flush=True)
+        if args.json:  # what is measured so far survives a run cut by a time limit
+            write_json(Path(args.json), {"rows": rows, "families_ms_per_layer": fams,
+                                         "breakdown_ms_per_layer": breakdown, "checks": checks, "complete": False})
     # summary
     print("\n| M | backend | layer ms | outside MoE+attn ms | dsv41 families ms (mhc / rope_store / wo_a) |")
     print("|---|---|---|---|---|")
@@ -303,12 +316,7 @@ def main() -> None:
         args.json = str(Path(tempfile.mkdtemp(prefix="dsv41-prefill-")) / "prefill-dry-run.json")
     if args.json:
         path = Path(args.json)
-        from benchmarks.common import versions
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        path.write_text(json.dumps({"benchmark": "prefill", "date": date, "argv": sys.argv, "versions": versions(),
-                                    **payload}, indent=1))
+        write_json(path, dict(payload, complete=True))
     else:
         from benchmarks.common import write_result
 
