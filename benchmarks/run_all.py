@@ -39,7 +39,7 @@ LIMITS = {"mhc": 110, "rope_store": 80, "wo_a": 110, "prefill": 230}  # seconds;
 TOTAL_LIMIT = 540
 MS = [65536, 16384, 4096, 128]
 PREFILL_MS = [16384, 4096, 65536]  # the example's own order: the largest last, dropped first by its budget
-BUDGET_FRAC = 0.5  # the prefill example starts no new M after this share of its limit (it writes JSON at the end)
+BUDGET_FRAC = 0.5  # the prefill example starts no new M after this share of its limit (its JSON: after each M)
 ANCHORS = ["eager", "inductor", "tilekernels", "cublas"]
 
 
@@ -217,10 +217,10 @@ def norm_wo_a(doc: dict, source: str) -> list[dict[str, Any]]:
 
 
 def norm_prefill(doc: dict, source: str) -> list[dict[str, Any]]:
-    out, errs = [], doc.get("checks", {})  # checks: max |h - eager| / max |eager| per "backend M=m"
+    out, errs = [], doc.get("checks", {})  # checks: max |h - eager| / max |eager| per "backend scope M=m"
     for r in doc.get("rows", []):
         backend, scope = str(r.get("backend", "?")), str(r.get("scope", "layer"))
-        err = errs.get(f"{backend} M={r.get('M')}") if scope == "layer" else None
+        err = errs.get(f"{backend} {scope} M={r.get('M')}")
         out.append(_row("prefill", scope, "ours" if backend == "dsv41" else backend, backend, r.get("M"),
                         r.get("ms_per_layer"), None, None, f"rel diff vs eager {err:.1e}" if err else "", source))
     return out

@@ -131,7 +131,18 @@ def fake_prefill():
             rows += [dict(M=m, backend=b, scope="layer", ms_per_layer=layer * m / 16384),
                      dict(M=m, backend=b, scope="outside", ms_per_layer=outside * m / 16384)]
     rows.append(dict(M=128, backend="dsv41"))  # missing keys: kept, not plotted
-    return {"benchmark": "prefill", "rows": rows, "checks": {"dsv41 M=4096": 2e-3}}
+    return {"benchmark": "prefill", "rows": rows, "checks": {"dsv41 layer M=4096": 2e-3}}  # the example's keys
+
+
+def test_prefill_checks_reach_the_notes():
+    """The example's own JSON (run 131): each row's difference from eager lands in its note."""
+    doc = load(RESULTS / "prefill-NVIDIA_H200-2026-12-03-run131.json")
+    rows = run_all.normalize(doc, "run131")
+    noted = {(r["impl"], r["op"], r["M"]): r["note"] for r in rows if r["note"]}
+    assert len(noted) == len(doc["checks"]) > 0
+    key = next(iter(doc["checks"]))  # "backend scope M=m"
+    b, scope, m = key.split(" ")
+    assert noted[(b, scope, int(m[2:]))] == f"rel diff vs eager {doc['checks'][key]:.1e}"
 
 
 def is_png(p: Path) -> bool:
