@@ -161,11 +161,13 @@ def timed(fn) -> float | None:
             return None
 
 
-def tune(name: str, run, candidates: list[dict], reference) -> tuple[dict | None, float | None]:
-    """Time each candidate config; configs whose results differ from ``reference(out)`` are rejected."""
+def tune(name: str, run, candidates: list[dict], reference, reset) -> tuple[dict | None, float | None]:
+    """Time each candidate config; configs whose results differ from ``reference(out)`` after ``reset()`` (which
+    poisons what the candidate must write, so one that skips a store fails) are rejected."""
     best: tuple[dict | None, float | None] = (None, None)
     for cfg in candidates:
         try:
+            reset()
             if not reference(run(cfg)):
                 print(f"    {name} {cfg}: wrong result, skipped")
                 continue
@@ -211,7 +213,8 @@ def bench_q(tp: int, m: int, bandwidth: float, tune_configs: bool) -> dict:
             return buf
 
         row["config_ours"], row["tuned"] = tune("q", run, tk.CANDIDATES["q_rope_store"],
-                                               lambda b: torch.equal(b[:m, :h], base))
+                                               lambda b: torch.equal(b[:m, :h], base),
+                                               lambda: buf.view(torch.int16).fill_(POISON))
         if row["config_ours"]:
             dp.tuning.record("q_rope_store", dp.tuning.bucket(m), tk.q_shape_key(qv, cos), row["config_ours"])
     row["roofline"] = (2 * m * h * D * 2 + m * RD * 4) / bandwidth * 1e3
@@ -263,7 +266,9 @@ def bench_kv(m: int, bandwidth: float, tune_configs: bool) -> dict:
             return tkv.kv_rope_quant(kv, weight, EPS, cos, sin, BLOCK, cache, slots, batch_invariant=False, config=cfg)
 
         row["config_ours"], row["tuned"] = tune("kv", run, tkv.CANDIDATES["kv_rope_quant_store"],
-                                               lambda o: check_kv("candidate", o, kv, weight, cos, sin, quiet=True))
+                                               lambda o: check_kv("candidate", o, kv, weight, cos, sin, cache, slots,
+                                                                  quiet=True),
+                                               cache.zero_)
         if row["config_ours"]:
             dp.tuning.record("kv_rope_quant_store", dp.tuning.bucket(m), tkv.kv_shape_key(kv, cos, BLOCK),
                              row["config_ours"])
