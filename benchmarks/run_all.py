@@ -21,6 +21,7 @@ import argparse
 import datetime as _dt
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -247,9 +248,21 @@ def normalize(doc: dict, source: str = "") -> list[dict[str, Any]]:
     return fn(doc, source) if fn else []
 
 
+# a label's note of the M range the op gives that implementation ("from M 8192", "the op's from M 1536", "opt-in"):
+# it changes from run to run, the implementation does not
+_SPAN = re.compile(r"(?:[,;] |\()(?:the op's [^,;)]*|opt-in|from M \d+)(?=[,;)])")
+
+
+def impl_key(impl: str) -> str:
+    """``impl`` without its M-range note: 'tilelang (persistent mhc_pre, from M 8192)' -> 'tilelang (persistent
+    mhc_pre)'."""
+    return _SPAN.sub(lambda m: "(" if m.group(0).startswith("(") else "", impl).replace(" ()", "").replace("()", "")
+
+
 def merge(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Later rows win for the same (family, op, variant, impl, M): a newer file replaces an older one."""
-    keyed = {(r["family"], r["op"], r["variant"], r["impl"], r["M"]): r for r in rows}
+    """Later rows win for the same (family, op, variant, implementation, M): a newer file replaces an older one,
+    also where the label's M-range note changed between them (``impl_key``)."""
+    keyed = {(r["family"], r["op"], r["variant"], impl_key(r["impl"]), r["M"]): r for r in rows}
     return list(keyed.values())
 
 

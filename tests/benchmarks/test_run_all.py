@@ -124,6 +124,19 @@ def test_later_file_wins():
     assert pick(rows, "kv_rope_store", 16384, "triton (default config)")["source"] == ROPE.name  # only in run 3
 
 
+def test_merge_replaces_a_row_whose_label_names_another_m_range():
+    """run 127's TileLang mhc_pre row says 'from M 8192', run 183's 'the op's from M 1536': the newer one wins."""
+    old = RESULTS / "mhc-NVIDIA_H200-2026-12-03-run127.json"
+    new = RESULTS / "mhc-pre-boundary-NVIDIA_H200-2026-12-05-run183.json"
+    rows = run_all.merge(rows_of(old) + rows_of(new))
+    persistent = [r for r in rows if r["op"] == "mhc_pre" and r["M"] == 65536 and "persistent mhc_pre" in r["impl"]]
+    assert [r["source"] for r in persistent] == [new.name], persistent
+    assert run_all.impl_key("tilelang (fused boundary, one persistent kernel; the op's M 1536 to 32768)") == \
+        "tilelang (fused boundary, one persistent kernel)"
+    kept = "triton (mhc_pre, 4 streams a dot, BLOCK_M 64)"
+    assert run_all.impl_key(kept) == kept
+
+
 def fake_prefill():
     rows = []
     for m in (16384, 4096):
