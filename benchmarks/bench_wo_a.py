@@ -169,7 +169,8 @@ def bench_shape(tp: int, m: int, providers: list[str], tflops: float, bandwidth:
         try:
             out = torch.ops.dsv41.wo_a(o, w, cos, sin, ROPE, p, mode)
             ok[f"ours_{p}"] = check(f"ours_{p}", out, ref)
-            runnable.append(p)
+            if ok[f"ours_{p}"]:  # a wrong kernel has no time (nor a best)
+                runnable.append(p)
         except Exception as e:
             print(f"  FAIL ours_{p}: {type(e).__name__}: {e}")
             ok[f"ours_{p}"] = False

@@ -55,7 +55,10 @@ def run_tilelang(t: dict, c: dict):
     if "sliced" not in t:
         t["sliced"] = slice_major(t["parts"], D, 24)
     args = (t["sliced"], t["scale"], t["base"], t["w"], ITERS, EPS, EPS, EPS)
-    cfg = dict(tlp.BOUNDARY_CONFIG if c["name"] is None else tlp.CONFIGS[c["name"]])
+    # by default each form runs the op's config: the fused kernel BOUNDARY_CONFIG, the mhc_pre after the Triton post
+    # DEFAULT_CONFIG (runs 187-196 ran that mhc_pre with BOUNDARY_CONFIG too)
+    default = tlp.BOUNDARY_CONFIG if c["tilelang"] == "fused" else tlp.DEFAULT_CONFIG
+    cfg = dict(default if c["name"] is None else tlp.CONFIGS[c["name"]])
     if c.get("post_tma_store"):
         cfg["post_tma_store"] = True
     if c["tilelang"] == "fused":
