@@ -415,3 +415,19 @@ def test_kv_blocks_builds_for_sm90_without_shared_memory():
     assert blocks["usage"].get("STACK", 0) == 0
     # elements a thread: 2 tokens x 512 / 32 threads (blocks), 4 x 512 / 128 (tile)
     assert len(ins) / 32 < 0.9 * len(instructions(tile["ptx"])) / 16, (len(ins), len(instructions(tile["ptx"])))
+
+
+@pytest.mark.parametrize("store", [False, True])
+def test_kv_strided_norm_weight(store):
+    """A norm weight that is a strided view (e.g. every other element of a packed buffer) gives the reference
+    bits: the kernels index it densely, so the launcher makes it contiguous (it read the wrong elements)."""
+    cache, kv, weight, cos, sin, slots = _kv_case(5, 64, 16, 8)
+    strided = torch.stack([weight, torch.full_like(weight, 7.0)], 1).flatten()[::2]
+    assert strided.stride() == (2,) and torch.equal(strided, weight)
+    want = kv_rope_quant_reference(kv, weight, 1e-6, cos, sin, 32)
+    if store:
+        got = ops.kv_rope_quant_store(cache, kv, strided, 1e-6, cos, sin, slots, 32, "triton", 0)
+        assert torch.equal(_bits(cache[slots]), _bits(want))
+    else:
+        got = ops.kv_rope_quant(kv, strided, 1e-6, cos, sin, 32, "triton", 0)
+    assert torch.equal(_bits(got), _bits(want))

@@ -378,6 +378,7 @@ def kv_rope_quant(
     out = torch.empty((m, d), dtype=kv.dtype, device=kv.device)
     if m == 0:
         return out
+    weight = weight.contiguous()  # the kernels index it densely ([d] fp32: a copy only for a strided view)
     rd = 2 * cos.shape[1]
     op = "kv_rope_quant_store" if cache is not None else "kv_rope_quant"
     default = kv_default_config(d, rd, block) if batch_invariant else kv_untuned_config(m, d, rd, block)
