@@ -71,7 +71,11 @@ def _inner_compile_with_reports(gm: torch.fx.GraphModule, example_inputs: list[A
             pass
     else:
         if path.exists():
-            rep = RewriteReport.load(path)
+            try:
+                rep = RewriteReport.load(path)
+            except Exception as e:  # a damaged or older-format file costs the report, not the compile
+                rep = RewriteReport(warnings=[f"graph restored from the FX graph cache; its saved rewrite report "
+                                              f"{path} could not be read ({type(e).__name__}: {e})"])
         else:
             rep = RewriteReport(warnings=["graph restored from the FX graph cache; its rewrite report was not kept"])
         rep.from_cache = True

@@ -42,7 +42,7 @@ from .report import RewriteReport, SiteRow, graph_to_node_link, publish
 log = logging.getLogger("dsv41_passes")
 _PKG = Path(__file__).resolve().parent
 _HASHED_DIRS = ("patterns", "lowering", "reference")  # patterns trace reference functions
-_HASHED_FILES = ("pass_manager.py", "config.py", "guards.py", "tuning.py")
+_HASHED_FILES = ("pass_manager.py", "config.py", "guards.py", "tuning.py", "report.py")  # report: the saved format
 
 
 def _versions() -> dict[str, str | None]:

@@ -97,7 +97,7 @@ out = dp.compile(block, dp.PassConfig(batch_invariant=False))(*args)
 rep = dp.last_report()
 print(json.dumps({"hit": counters["inductor"]["fxgraph_cache_hit"], "miss": counters["inductor"]["fxgraph_cache_miss"],
                   "bypass": counters["inductor"]["fxgraph_cache_bypass"], "sites": rep.sites,
-                  "from_cache": rep.from_cache, "sum": float(out.float().sum())}))
+                  "from_cache": rep.from_cache, "warnings": rep.warnings, "sum": float(out.float().sum())}))
 """
 
 
@@ -110,6 +110,14 @@ def test_fx_graph_cache_hit_keeps_the_report(tmp_path):
     assert second["hit"] >= 1 and second["miss"] == 0
     assert second["sites"] == {"mhc_post": 1} and second["from_cache"]
     assert second["sum"] == first["sum"]
+    # a damaged saved report (or one of an older format) costs the report, not the compile
+    saved = list((tmp_path / "inductor").rglob("dsv41_reports/*.json"))
+    assert saved
+    for f in saved:
+        f.write_text(f.read_text()[:10])
+    third = json.loads(_run(_CACHE_SCRIPT, env).strip().splitlines()[-1])
+    assert third["hit"] >= 1 and third["from_cache"] and third["sum"] == first["sum"]
+    assert third["sites"] == {} and "could not be read" in " ".join(third["warnings"])
 
 
 def test_dump_dir_writes_graphs_patterns_and_report(tmp_path, monkeypatch):
