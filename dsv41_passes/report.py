@@ -115,8 +115,11 @@ def graph_to_node_link(graph: fx.Graph) -> dict[str, Any]:
 
     g = nx.DiGraph()
     for n in graph.nodes:
-        target = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
-        name = str(n.target)
+        op = n.target
+        if "auto_functionalized" in str(op) and n.args:  # a mutating op (q_rope_store, the KV store): its op
+            op = n.args[0]
+        target = op if isinstance(op, str) else getattr(op, "__name__", str(op))
+        name = str(op)
         g.add_node(n.name, op=n.op, target=str(target), fused=name.startswith("dsv41.") or "dsv41" in name)
         for a in n.all_input_nodes:
             g.add_edge(a.name, n.name)

@@ -67,6 +67,16 @@ def test_sites_and_logits(reference_run):
     assert torch.equal(out, ref)  # emulated casts + reference providers: the eager bits
 
 
+def test_report_graph_names_the_mutating_ops(reference_run):
+    """The report's graph (``networkx``, the CLI's GraphML / DOT, ``rewritten_region``) names the in-place
+    q_rope_store as a fused node, not as the auto_functionalized wrapper it runs in after the pass."""
+    rep = reference_run[-2]
+    g = rep.networkx()
+    fused = sorted(a["target"] for _, a in g.nodes(data=True) if a["fused"])
+    assert fused.count("q_rope_store.default") == L, fused
+    assert not [a["target"] for _, a in g.nodes(data=True) if "auto_functionalized" in a["target"]]
+
+
 def test_buffers_equal_eager_bitwise(reference_run):
     _, _, _, bufs, ref_bufs, *_ = reference_run
     for (q, kv), (q_ref, kv_ref) in zip(bufs, ref_bufs):
