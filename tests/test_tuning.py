@@ -148,5 +148,15 @@ def test_warmup_without_tactics_compiles_what_untuned_calls_run(monkeypatch):
     assert all(set(v) == set(kept) for v in chosen.values()), chosen
     assert chosen["wo_a"] == {b: tk.default_config(b) for b in chosen["wo_a"]}
     assert len({repr(cfg) for cfg in chosen["wo_a"].values()}) == len(kept)  # a config of its own per bucket
+    from dsv41_passes.lowering import tunables_for
+    from dsv41_passes.lowering.triton import mhc as tm
+
+    d = DeepseekV41Config.tiny().hidden_size
+    for op in ("mhc_post", "mhc_stats", "mhc_collapse", "mhc_pre", "mhc_boundary"):
+        assert chosen[op] == {b: tm.untuned_config(op, b, d, False) for b in kept}, op
+    # the tiny model's K slices have an odd chunk count (no split 2): at hidden 1024 the decode configs differ
+    mhc = {t.op: t for t in tunables_for(DeepseekV41Config.tiny(hidden_size=1024), "cpu")}
+    for op in ("mhc_stats", "mhc_collapse", "mhc_pre", "mhc_boundary"):
+        assert mhc[op].untuned(1) == tm.untuned_config(op, 1, 1024, False) != tm.default_config(op), op
     assert any(cfg != tk.BATCH_INVARIANT_CONFIG for cfg in chosen["wo_a"].values())
     assert tuning.entries() == {}

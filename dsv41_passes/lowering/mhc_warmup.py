@@ -67,8 +67,9 @@ def tunables(config, device=None) -> list:
         "mhc_pre": (pre_inputs, tk.mhc_pre),
         "mhc_boundary": (boundary_inputs, tk.mhc_boundary),
     }
-    out = [
-        Tunable(op, key, make, runner(fn), tk.CANDIDATES[op], tk.default_config(op))
+    out = [  # untuned: what a call at M runs without a tactic (split 2 and 16-row blocks at decode sizes)
+        Tunable(op, key, make, runner(fn), tk.CANDIDATES[op], tk.default_config(op),
+                lambda m, op=op: tk.untuned_config(op, m, d, False))
         for op, (make, fn) in table.items()
     ]
     from .registry import tilelang_available
