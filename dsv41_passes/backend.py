@@ -176,8 +176,10 @@ def _pinned(backend: Callable[..., Any], bi: bool) -> Callable[..., Any]:
 
 def register() -> None:
     """Register ``"dsv41"`` with Dynamo (the package entry point does the same lazily)."""
-    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
 
-    if "dsv41" not in _BACKENDS or _BACKENDS["dsv41"] is None:
-        register_backend(name="dsv41")(dsv41_backend)
+    # registered already (a second call), or an entry point Dynamo is loading, which it registers itself
+    if "dsv41" in _COMPILER_FNS or _BACKENDS.get("dsv41") is not None:
+        return
+    register_backend(name="dsv41")(dsv41_backend)
 

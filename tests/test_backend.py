@@ -1,5 +1,8 @@
 """The pass framework end to end on the tiny model: sites, numerics, dynamic M, config switches."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -108,3 +111,18 @@ def test_pass_config_validation():
         dp.PassConfig(providers=("cuda", "reference"))
     with pytest.raises(ValueError, match="reference"):
         dp.PassConfig(providers=("triton",))
+
+
+def test_register_twice_and_through_the_entry_point():
+    """``dp.register()`` may be called again (the import already registered the backend), and a process that
+    names the backend before importing the package gets it through the entry point."""
+    script = ("import torch\n"
+              "f = torch.compile(lambda x: x * 2, backend='dsv41')\n"
+              "print(f(torch.ones(2)).tolist())\n"
+              "import dsv41_passes as dp\n"
+              "dp.register(); dp.register()\n"
+              "print('registered')\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "[2.0, 2.0]" in out.stdout and "registered" in out.stdout, out.stderr[-2000:]
+    dp.register()
+    dp.register()
