@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
@@ -59,7 +60,11 @@ def _mhc_post_reference(y, res, post, comb, *, batch_invariant):
 # ---------------------------------------------------------------------------
 # stats: projection + RMS + split/sigmoid/Sinkhorn
 # ---------------------------------------------------------------------------
-def check_stats_args(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor) -> None:
+def check_stats_args(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                     iters: int = 1, hc_eps: float = 0.0, norm_eps: float = 1.0) -> None:
+    _check(iters >= 1, f"mhc_stats: Sinkhorn iterations must be >= 1, got {iters}")
+    _check(math.isfinite(hc_eps) and hc_eps >= 0, f"mhc_stats: hc_eps must be finite and >= 0, got {hc_eps}")
+    _check(math.isfinite(norm_eps) and norm_eps > 0, f"mhc_stats: norm eps must be finite and > 0, got {norm_eps}")
     _check(h.dim() == 3, f"mhc_stats: h must be [M, hc_mult, hidden], got {tuple(h.shape)}")
     m, n, d = h.shape
     _check(1 <= n <= HC_MAX, f"mhc_stats: hc_mult must be in [1, {HC_MAX}], got {n}")
@@ -86,7 +91,7 @@ def mhc_stats(
     h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
     iters: int, hc_eps: float, norm_eps: float, providers: str, mode: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    check_stats_args(h, fn, scale, base)
+    check_stats_args(h, fn, scale, base, iters, hc_eps, norm_eps)
     return dispatch("mhc_stats", providers, mode, h, fn, scale, base, iters, hc_eps, norm_eps)
 
 
@@ -111,14 +116,18 @@ def _mhc_stats_reference(h, fn, scale, base, iters, hc_eps, norm_eps, *, batch_i
 # ---------------------------------------------------------------------------
 # collapse (+ RMSNorm)
 # ---------------------------------------------------------------------------
-def check_collapse_args(h: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None) -> None:
+def check_collapse_args(h: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None, eps: float = 1.0) -> None:
     _check(h.dim() == 3, f"mhc_collapse: h must be [M, hc_mult, hidden], got {tuple(h.shape)}")
     m, n, d = h.shape
     _check(1 <= n <= HC_MAX, f"mhc_collapse: hc_mult must be in [1, {HC_MAX}], got {n}")
+    _check(h.dtype in (torch.bfloat16, torch.float16, torch.float32),
+           f"mhc_collapse: unsupported residual dtype {h.dtype}")
     _check(tuple(pre.shape) == (m, n), f"mhc_collapse: pre must be [M, hc_mult] = {(m, n)}, got {tuple(pre.shape)}")
     _check(pre.dtype == torch.float32, f"mhc_collapse: pre must be float32, got {pre.dtype}")
     if weight is not None:
         _check(tuple(weight.shape) == (d,), f"mhc_collapse: norm weight must be [{d}], got {tuple(weight.shape)}")
+        _check(weight.is_floating_point(), f"mhc_collapse: norm weight must be floating point, got {weight.dtype}")
+        _check(math.isfinite(eps) and eps > 0, f"mhc_collapse: norm eps must be finite and > 0, got {eps}")
     devs = {t.device for t in (h, pre, weight) if t is not None}
     _check(len(devs) == 1, f"mhc_collapse: all inputs must be on one device, got {sorted(map(str, devs))}")
 
@@ -137,7 +146,7 @@ def mhc_collapse(
     h: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None, eps: float, providers: str, mode: int
 ) -> torch.Tensor:
     """``sum_j pre_j h_j`` in fp32 -> bf16, then (with ``weight``) RMSNorm -> bf16."""
-    check_collapse_args(h, pre, weight)
+    check_collapse_args(h, pre, weight, eps)
     return dispatch("mhc_collapse", providers, mode, h, pre, weight, eps)
 
 
@@ -160,8 +169,8 @@ def mhc_pre(
     weight: torch.Tensor | None, iters: int, hc_eps: float, norm_eps: float, eps: float, providers: str, mode: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x, pre, post, comb) = (collapse_norm(h, pre_prev), *stats(h)): V4.1's shifted pre in one pass."""
-    check_stats_args(h, fn, scale, base)
-    check_collapse_args(h, pre_prev, weight)
+    check_stats_args(h, fn, scale, base, iters, hc_eps, norm_eps)
+    check_collapse_args(h, pre_prev, weight, eps)
     return dispatch("mhc_pre", providers, mode, h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps)
 
 
@@ -187,8 +196,8 @@ def mhc_boundary(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(new_res, x, pre, post, comb): the new residual is written once and not re-read."""
     check_post_args(y, res, post, comb)
-    check_stats_args(res, fn, scale, base)
-    check_collapse_args(res, pre_prev, weight)
+    check_stats_args(res, fn, scale, base, iters, hc_eps, norm_eps)
+    check_collapse_args(res, pre_prev, weight, eps)
     return dispatch(
         "mhc_boundary", providers, mode, y, res, post, comb, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps,
         eps,

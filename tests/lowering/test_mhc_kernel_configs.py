@@ -259,6 +259,29 @@ def test_kernels_reject_what_they_cannot_run():
                      batch_invariant=True)
 
 
+def test_ops_reject_bad_scalars_and_dtypes():
+    """The ops' own checks (before any provider): an integer residual, an integer norm weight, a norm eps <= 0,
+    fewer than one Sinkhorn iteration, a negative hc_eps. Each gave numbers (or NaN) before."""
+    ops = torch.ops.dsv41
+    t = make_inputs(3, D)
+    h, pre, w = t["h"], t["pre_prev"], t["w"]
+    stats_args = (t["fn"], t["scale"], t["base"])
+    cases = [
+        ("unsupported residual dtype", lambda: ops.mhc_collapse(h.to(torch.int64), pre, None, EPS, "reference", 0)),
+        ("floating point", lambda: ops.mhc_collapse(h, pre, w.to(torch.int32), EPS, "reference", 0)),
+        ("eps must be finite and > 0", lambda: ops.mhc_collapse(h, pre, w, -10.0, "reference", 0)),
+        ("iterations must be >= 1", lambda: ops.mhc_stats(h, *stats_args, 0, HC_EPS, NORM_EPS, "reference", 0)),
+        ("hc_eps must be finite", lambda: ops.mhc_stats(h, *stats_args, ITERS, -1.0, NORM_EPS, "reference", 0)),
+        ("norm eps must be finite", lambda: ops.mhc_pre(h, pre, *stats_args, w, ITERS, HC_EPS, 0.0, EPS,
+                                                        "reference", 0)),
+        ("norm eps must be finite", lambda: ops.mhc_pre(h, pre, *stats_args, w, ITERS, HC_EPS, NORM_EPS,
+                                                        float("nan"), "reference", 0)),
+    ]
+    for match, call in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
 def _op_args(t):
     return (t["h"], t["fn"], t["scale"], t["base"], ITERS, HC_EPS, NORM_EPS)
 
