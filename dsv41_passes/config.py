@@ -38,15 +38,19 @@ class PassConfig:
     hc_sinkhorn_iters: int = 20
 
     def __post_init__(self) -> None:
+        if isinstance(self.providers, str):
+            raise ValueError(f"PassConfig.providers must be a tuple of names, e.g. ('triton', 'reference'), got the "
+                             f"string {self.providers!r}")
         provs = tuple(self.providers)
         object.__setattr__(self, "providers", provs)
         bad = [p for p in provs if p not in _PROVIDERS]
-        if bad or not provs:
+        if bad:
             raise ValueError(f"PassConfig.providers: unknown {bad} (choose from {_PROVIDERS})")
         if self.hc_sinkhorn_iters < 1:
             raise ValueError("PassConfig.hc_sinkhorn_iters must be >= 1")
-        if "reference" not in provs:
-            raise ValueError("PassConfig.providers must keep 'reference' as the last resort")
+        if not provs or provs[-1] != "reference" or len(set(provs)) != len(provs):
+            raise ValueError(f"PassConfig.providers must name each provider once and end with 'reference', the last "
+                             f"resort (a provider after it never runs), got {provs}")
 
     def resolved_batch_invariant(self) -> bool:
         return is_batch_invariant() if self.batch_invariant is None else bool(self.batch_invariant)

@@ -111,6 +111,13 @@ def test_pass_config_validation():
         dp.PassConfig(providers=("cuda", "reference"))
     with pytest.raises(ValueError, match="reference"):
         dp.PassConfig(providers=("triton",))
+    with pytest.raises(ValueError, match="end with 'reference'"):
+        dp.PassConfig(providers=("reference", "triton"))  # triton would never run
+    with pytest.raises(ValueError, match="end with 'reference'"):
+        dp.PassConfig(providers=())
+    with pytest.raises(ValueError, match="tuple of names"):
+        dp.PassConfig(providers="reference")
+    assert dp.PassConfig(providers=["triton", "reference"]).providers == ("triton", "reference")
 
 
 def test_register_twice_and_through_the_entry_point():

@@ -408,8 +408,17 @@ def fused_boundary_options(value: str) -> dict | None:
 # DSV41_MHC_BOUNDARY_FUSED sets the switch ("off", "on", or a JSON object of build options),
 # DSV41_MHC_BOUNDARY_FUSED_MAX_M a bound.
 FUSED_BOUNDARY: dict | None = fused_boundary_options(os.environ.get("DSV41_MHC_BOUNDARY_FUSED", "on"))
-_ENV_FUSED_MAX_M = os.environ.get("DSV41_MHC_BOUNDARY_FUSED_MAX_M", "none")
-FUSED_BOUNDARY_MAX_M: int | None = None if _ENV_FUSED_MAX_M.lower() in ("none", "") else int(_ENV_FUSED_MAX_M)
+def _max_m(value: str) -> int | None:
+    if value.strip().lower() in ("none", ""):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"DSV41_MHC_BOUNDARY_FUSED_MAX_M={value!r}: not a token count or none (to turn the fused "
+                         "boundary off: DSV41_MHC_BOUNDARY_FUSED=off)") from None
+
+
+FUSED_BOUNDARY_MAX_M: int | None = _max_m(os.environ.get("DSV41_MHC_BOUNDARY_FUSED_MAX_M", "none"))
 
 
 def fused_boundary_at(m: int) -> bool:
