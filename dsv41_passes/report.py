@@ -17,8 +17,8 @@ class SiteRow:
     location: str  # module path from nn_module_stack
     layer: int | None
     status: str  # "rewritten" or "skipped"
-    provider: str | None  # provider the fused op picks for these inputs (runtime may refine per M)
-    op: str  # fused op (or the fused op it became part of)
+    provider: str | None  # provider the site's fused op picks for the traced inputs (runtime may refine per M)
+    op: str  # the site's fusion (its kind), or the fused op it became part of (mhc_pre, mhc_boundary)
     reason: str = ""  # why skipped; or which providers declined
     source: str = ""  # source line of the site
 

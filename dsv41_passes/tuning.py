@@ -132,6 +132,8 @@ def load_tactics(path: str | os.PathLike[str]) -> int:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
         meta, ents = data["meta"], data["entries"]
+        if not isinstance(meta, dict):
+            raise ValueError("meta is not a mapping")
         if not isinstance(ents, dict) or not all(isinstance(v, dict) for v in ents.values()):
             raise ValueError("entries is not a mapping of configs")
     except FileNotFoundError:

@@ -63,7 +63,8 @@ def test_metadata_mismatch_is_rejected_with_a_warning(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "text", ["{not json", json.dumps({"meta": {}}), json.dumps([1, 2]), json.dumps({"meta": {}, "entries": {"k": 3}})]
+    "text", ["{not json", json.dumps({"meta": {}}), json.dumps([1, 2]), json.dumps({"meta": {}, "entries": {"k": 3}}),
+             json.dumps({"meta": None, "entries": {}}), json.dumps({"meta": [], "entries": {}})]
 )
 def test_corrupt_file_is_rejected_never_a_crash(tmp_path, text):
     p = tmp_path / "c.json"

@@ -333,8 +333,19 @@ def _tilelang_stats(h, fn, scale, base, iters, hc_eps, norm_eps, *, batch_invari
 # 16384, 0.0983 vs 0.1128 at 4096, 0.0507 vs 0.0600 at 2048, 0.0415 vs 0.0524 at 1536, 0.0329 vs 0.0325 at 1024;
 # at M = 128 and 1 it is slower (bench_mhc run 175: 0.0230 vs 0.0145, 0.0192 vs 0.0121).
 # DSV41_MHC_PRE_TILELANG_MIN_M sets it from the environment ("off": never).
-_ENV_MIN_M = os.environ.get("DSV41_MHC_PRE_TILELANG_MIN_M", "1536")
-TILELANG_PRE_MIN_M: int | None = None if _ENV_MIN_M.lower() in ("off", "none", "") else int(_ENV_MIN_M)
+def _env_tokens(name: str, default: str, none_words: tuple[str, ...], hint: str) -> int | None:
+    """A token count from the environment, or None for one of ``none_words``; a clear error otherwise."""
+    value = os.environ.get(name, default)
+    if value.strip().lower() in none_words:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: not a token count or one of {none_words} ({hint})") from None
+
+
+TILELANG_PRE_MIN_M: int | None = _env_tokens("DSV41_MHC_PRE_TILELANG_MIN_M", "1536", ("off", "none", ""),
+                                             "off: the Triton kernel at every M")
 
 
 def _tilelang_pre_ok(h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, *, batch_invariant):
@@ -408,17 +419,8 @@ def fused_boundary_options(value: str) -> dict | None:
 # DSV41_MHC_BOUNDARY_FUSED sets the switch ("off", "on", or a JSON object of build options),
 # DSV41_MHC_BOUNDARY_FUSED_MAX_M a bound.
 FUSED_BOUNDARY: dict | None = fused_boundary_options(os.environ.get("DSV41_MHC_BOUNDARY_FUSED", "on"))
-def _max_m(value: str) -> int | None:
-    if value.strip().lower() in ("none", ""):
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"DSV41_MHC_BOUNDARY_FUSED_MAX_M={value!r}: not a token count or none (to turn the fused "
-                         "boundary off: DSV41_MHC_BOUNDARY_FUSED=off)") from None
-
-
-FUSED_BOUNDARY_MAX_M: int | None = _max_m(os.environ.get("DSV41_MHC_BOUNDARY_FUSED_MAX_M", "none"))
+FUSED_BOUNDARY_MAX_M: int | None = _env_tokens("DSV41_MHC_BOUNDARY_FUSED_MAX_M", "none", ("none", ""),
+                                               "none: no bound; DSV41_MHC_BOUNDARY_FUSED=off turns it off")
 
 
 def fused_boundary_at(m: int) -> bool:

@@ -8,9 +8,10 @@ the op they became part of):
   is read, so the stats and the collapse (+ norm) share one read of ``h``.
   In the V4 wiring (the collapse uses the ``pre`` these stats produce) the two
   stay separate ops.
-* ``mhc_post -> h`` + ``mhc_pre(h)`` -> ``mhc_boundary`` (``PassConfig(mhc_boundary=True)``):
-  the new residual is written once and never re-read by the next sub-block's stats and
-  collapse. Off by default: the fused kernel measured slower than post + pre on the H200.
+* ``mhc_post -> h`` + ``mhc_pre(h)`` -> ``mhc_boundary`` (``PassConfig(mhc_boundary=True)``, the
+  default): the new residual is written once and never re-read by the next sub-block's stats and
+  collapse. Which kernels run it is the op's choice by M (``lowering.mhc``): the post inside the
+  persistent TileLang kernel from M = 1536 on a GPU that takes it, else the Triton boundary's forms.
 """
 
 from __future__ import annotations

@@ -333,3 +333,17 @@ def test_ops_run_the_triton_provider():
         assert_equal(a, b, "boundary via op")
     out = torch.ops.dsv41.mhc_post(t["y"], t["h"], t["post"], t["comb"], "triton,reference", mode)
     assert_equal(out, post_op(t), "post via op")
+
+
+def test_token_counts_from_the_environment(monkeypatch):
+    from dsv41_passes.lowering.mhc import _env_tokens
+
+    monkeypatch.setenv("DSV41_TEST_M", "4096")
+    assert _env_tokens("DSV41_TEST_M", "none", ("none",), "") == 4096
+    monkeypatch.setenv("DSV41_TEST_M", " None ")
+    assert _env_tokens("DSV41_TEST_M", "1", ("none",), "") is None
+    monkeypatch.setenv("DSV41_TEST_M", "off")
+    with pytest.raises(ValueError, match="DSV41_TEST_M='off': not a token count"):
+        _env_tokens("DSV41_TEST_M", "1", ("none",), "")
+    monkeypatch.delenv("DSV41_TEST_M")
+    assert _env_tokens("DSV41_TEST_M", "1536", ("off",), "") == 1536
