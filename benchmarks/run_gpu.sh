@@ -84,9 +84,11 @@ for s in $stages; do
       [ $? -eq 124 ] || run mhc_boundary_isolated ${BOUNDARY_LIMIT:-240} python3 benchmarks/probe_mhc_boundary.py \
         --no-fused --no-post-collapse --tilelang --tilelang-configs $b,$b-re-pf2,$b-re-pf5,$b-re-sl,$b-re-pf2-sl \
         ${BOUNDARY_MS:-65536 16384 4096} ;;
-    mhc_boundary_timers) run mhc_boundary_timers ${TIMERS_LIMIT:-180} python3 benchmarks/probe_mhc_pre_diag.py \
-                           ${TIMERS_MS:-65536,16384} --boundary --with-timers 'nore={"dots_release_early": false}' \
-                           'pf2={"post_prefetch": 2}' 'sl={"post_store_late": true}' ;;
+    mhc_boundary_timers)  # with cuts: how fast the rest runs without the norm / the x stores (the vector
+      # role cannot be cut in the boundary, its post feeds the dots; a nodots build fails TileLang's layout inference)
+      run mhc_boundary_timers ${TIMERS_LIMIT:-180} python3 benchmarks/probe_mhc_pre_diag.py \
+        ${TIMERS_MS:-65536,16384} --boundary --with-timers 'nore={"dots_release_early": false}' \
+        'nonorm={"diag": "nonorm"}' 'noxs={"diag": "noxstore"}' ;;
     mhc_boundary_ncu)  # Nsight Compute's warp states by SASS instruction, the fused boundary's kernel at M = 65536
       rep="${TMPDIR:-/tmp}/boundary-ncu"
       run mhc_boundary_ncu ${NCU_LIMIT:-300} ncu --clock-control none --nvtx --nvtx-include "profile/" \
