@@ -99,21 +99,28 @@ def _wo_a_fake(o, weight, cos, sin, rope_dim, providers, mode):
 
 # ---------------------------------------------------------------- reference
 def wo_a_reference(
-    o: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, rope_dim: int
+    o: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, rope_dim: int,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
-    """The model's math in plain torch (the numerics oracle)."""
+    """The model's math in plain torch (the numerics oracle); in batch-invariant mode the grouped product sums K
+    in index order (``matmul.ordered_matmul``): a library bmm picks its reduction order by M."""
     m, h, d, g, r, k = geometry(o, weight)
     if cos is not None:
         o = o.clone()
         tail = o[..., d - rope_dim :]
         o[..., d - rope_dim :] = apply_rotary_real(tail, cos, sin, inverse=True)
-    z = torch.einsum("mgd,grd->mgr", o.reshape(m, g, k), weight.view(g, r, k))
+    if batch_invariant:
+        from .matmul import ordered_matmul
+
+        z = ordered_matmul(o.reshape(m, g, k).transpose(0, 1), weight.view(g, r, k).transpose(1, 2)).transpose(0, 1)
+    else:
+        z = torch.einsum("mgd,grd->mgr", o.reshape(m, g, k), weight.view(g, r, k))
     return z.reshape(m, g * r).contiguous()
 
 
 @register_provider(OP, "reference")
 def _wo_a_reference(o, weight, cos, sin, rope_dim, *, batch_invariant):
-    return wo_a_reference(o, weight, cos, sin, rope_dim)
+    return wo_a_reference(o, weight, cos, sin, rope_dim, batch_invariant)
 
 
 # ---------------------------------------------------------------- triton

@@ -374,3 +374,20 @@ def test_provider_choice_at_compile_time_puts_no_guard_on_m(monkeypatch):
     assert "split-K" in ops._wo_a_tilelang_ok(torch.empty(8, 16, 512, dtype=torch.bfloat16),
                                               torch.empty(2048, 4096, dtype=torch.bfloat16), None, None, 0,
                                               batch_invariant=False)
+
+
+def test_reference_provider_is_batch_invariant_in_that_mode():
+    """TP1 geometry (64 heads of 512, 8 groups, R 1024): in batch-invariant mode a row's bits do not depend on M
+    (a library bmm gave rows 0-3 of these inputs other bits alone than among 6, on the CI's kind of CPU)."""
+    g = torch.Generator().manual_seed(0)
+    o = torch.randn(6, 64, 512, generator=g).to(BF16)
+    w = (torch.randn(8 * 1024, 4096, generator=g) / 64).to(BF16)
+    ang = torch.rand(6, 32, generator=g) * 6
+    cos, sin = ang.cos(), ang.sin()
+    mode = encode_mode(True)
+    full = torch.ops.dsv41.wo_a(o, w, cos, sin, 64, "reference", mode)
+    for i in range(4):
+        one = torch.ops.dsv41.wo_a(o[i : i + 1], w, cos[i : i + 1], sin[i : i + 1], 64, "reference", mode)
+        assert torch.equal(one, full[i : i + 1]), i
+    lib = torch.ops.dsv41.wo_a(o, w, cos, sin, 64, "reference", encode_mode(False))
+    assert_bf16_gemm_close(full, lib)  # the same math, another sum order
