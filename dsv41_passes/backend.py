@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from .config import PassConfig
+from .guards import check_mode
 from .pass_manager import PostGradPassManager
 from .report import RewriteReport, publish, reports
 
@@ -109,7 +110,20 @@ def make_backend(config: PassConfig | None = None, options: dict[str, Any] | Non
 
         ctx = fcfg.patch(enable_autograd_cache=False) if hasattr(fcfg, "enable_autograd_cache") else nullcontext()
         with ctx:
-            return compile_fx(gm, example_inputs, inner_compile=_inner_compile_with_reports, config_patches=patches)
+            compiled = compile_fx(gm, example_inputs, inner_compile=_inner_compile_with_reports,
+                                  config_patches=patches)
+        if config.batch_invariant is not None:
+            return compiled
+        # a graph that follows the global mode checks it at every call, not only inside its fused ops: a graph with
+        # none (every site skipped, a family off, a fragment after a graph break) would run under the other mode
+        bi = config.resolved_batch_invariant()
+
+        def run(*args: Any) -> Any:
+            check_mode(bi, True)
+            return compiled(*args)
+
+        run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
+        return run
 
     return dsv41_backend
 

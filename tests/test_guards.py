@@ -88,6 +88,22 @@ def test_backend_graph_refuses_the_other_mode():
         g(*args)
 
 
+def test_backend_graph_without_fused_ops_refuses_the_other_mode():
+    """A graph with no dsv41 op (here a plain linear: nothing to fuse) checks the mode too, in both directions."""
+    torch._dynamo.reset()
+    x, w = torch.randn(5, 8), torch.randn(4, 8)
+    for compiled_mode in (False, True):
+        torch._dynamo.reset()
+        with dp.batch_invariant(compiled_mode), torch.inference_mode():
+            f = torch.compile(lambda x, w: torch.nn.functional.linear(x, w), backend="dsv41")
+            want = f(x, w)
+        with dp.batch_invariant(not compiled_mode), torch.inference_mode():
+            with pytest.raises(RuntimeError, match=f"compiled with batch_invariant={compiled_mode}"):
+                f(x, w)
+        with dp.batch_invariant(compiled_mode), torch.inference_mode():
+            assert torch.equal(f(x, w), want)
+
+
 def test_env_and_setter():
     assert dp.is_batch_invariant() is False
     dp.batch_invariant(True)
