@@ -57,7 +57,9 @@ def _need(cond: bool, why: str) -> None:
 
 
 def _scalar(n: fx.Node, node_other: fx.Node) -> Any:
-    """The scalar operand of a binary op whose other operand is ``node_other``."""
+    """The scalar operand of a binary op whose other operand is ``node_other`` (an ``alpha`` or any other keyword
+    argument would change what the operand means: no match)."""
+    _need(not n.kwargs, f"{n.target} has keyword arguments {dict(n.kwargs)}")
     a, b = n.args[0], n.args[1]
     return b if a is node_other else a
 
@@ -133,7 +135,8 @@ def _rstd(w: _Walk, r: fx.Node, xf: fx.Node, k: Any) -> None:
         _need(_is(ms, aten.div.Tensor), "RMS statistic is not a mean")
         s = ms.args[0]
         _need(
-            _is(s, aten.sum.dim_IntList) and _dim_ok(s.args[1], -1, 2), "RMS statistic is not a sum over the last dim"
+            _is(s, aten.sum.dim_IntList) and _dim_ok(s.args[1], -1, 2) and len(s.args) > 2 and s.args[2],
+            "RMS statistic is not a sum over the last dim (keepdim)",
         )
         _need(isinstance(ms.args[1], (int, float)) and same(ms.args[1], k), "RMS sum is not divided by K")
         sq = s.args[0]
@@ -159,7 +162,7 @@ def _affine(w: _Walk, sl: fx.Node, idx: int, lo: int, hi: Any) -> fx.Node:
     _need(_is(a, aten.add.Tensor), f"mix slice {idx} has no bias")
     b = _scalar(a, m)
     _need(_is(b, aten.slice.Tensor) and b.args[1] == 0 and b.args[2] == lo
-          and (b.args[3] == hi or b.args[3] == INT_MAX),
+          and (b.args[3] == hi or b.args[3] == INT_MAX) and (len(b.args) < 5 or b.args[4] == 1),
           f"bias of slice {idx} is not base[{lo}:{hi}]")
     for key, node in (("scale", sel.args[0]), ("base", b.args[0])):
         prev = w.bind.setdefault(key, node)
@@ -281,7 +284,8 @@ def match(mm: fx.Node, expect_iters: int) -> tuple[_Walk, fx.Node, fx.Node, fx.N
         mix = m
     # the three slices
     sl = list(mix.users)
-    _need(len(sl) == 3 and all(_is(s, aten.slice.Tensor) and s.args[1] % 2 == 1 for s in sl),
+    _need(len(sl) == 3 and all(_is(s, aten.slice.Tensor) and s.args[1] % 2 == 1 and (len(s.args) < 5 or s.args[4] == 1)
+                               for s in sl),
           "mixes are not split into three column slices")
     by_start = {s.args[2]: s for s in sl}
     _need(set(by_start) == {0, n, 2 * n}, f"mix slices start at {sorted(by_start)}, expected 0, {n}, {2 * n}")

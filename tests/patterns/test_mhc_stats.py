@@ -31,7 +31,7 @@ def _run(fn, config=REF, m=9):
 
 
 def _variant(*, rms="mean_square", proj="linear", fold="after", softmax="softmax", post2="left", order="flat_first",
-             iters=20, eps=1e-6, last_eps=None, end_on_row=False):
+             iters=20, eps=1e-6, last_eps=None, end_on_row=False, pre_alpha=None, last_alpha=None, pre_step=1):
     def fn(h, fn_w, scale, base):
         n = h.shape[1]
         xf = h.flatten(1).float() if order == "flat_first" else h.float().flatten(1)
@@ -39,6 +39,8 @@ def _variant(*, rms="mean_square", proj="linear", fold="after", softmax="softmax
             ms = xf.square().mean(-1, keepdim=True)
         elif rms == "mul":
             ms = (xf * xf).mean(-1, keepdim=True)
+        elif rms == "sum_no_keepdim":  # r is [M]: it scales the mix columns instead of the rows (where M == 24)
+            ms = xf.pow(2).sum(-1) / xf.shape[-1]
         else:
             ms = xf.pow(2).sum(-1, keepdim=True) / xf.shape[-1]
         r = torch.rsqrt(ms + 1e-6)
@@ -47,7 +49,8 @@ def _variant(*, rms="mean_square", proj="linear", fold="after", softmax="softmax
                "mm": lambda: torch.mm(x_in, fn_w.t())}[proj]()
         if fold == "after":
             mix = mix * r
-        pre = torch.sigmoid(mix[:, :n] * scale[0] + base[:n]) + eps
+        sg = torch.sigmoid(mix[:, :n:pre_step] * scale[0] + base[:n:pre_step])
+        pre = sg + eps if pre_alpha is None else torch.add(sg, eps, alpha=pre_alpha)
         s = torch.sigmoid(mix[:, n:2 * n] * scale[1] + base[n:2 * n])
         post = 2 * s if post2 == "left" else s * 2
         c = (mix[:, 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
@@ -64,7 +67,10 @@ def _variant(*, rms="mean_square", proj="linear", fold="after", softmax="softmax
         for i in range(iters - 1):
             c = c / (c.sum(-1, keepdim=True) + eps)
             e = last_eps if (last_eps is not None and i == iters - 2) else eps
-            c = c / (c.sum(-2, keepdim=True) + e)
+            if last_alpha is not None and i == iters - 2:
+                c = c / torch.add(c.sum(-2, keepdim=True), e, alpha=last_alpha)
+            else:
+                c = c / (c.sum(-2, keepdim=True) + e)
         if end_on_row:
             c = c / (c.sum(-1, keepdim=True) + eps)
         return pre, post, c
@@ -124,6 +130,26 @@ def test_near_misses_stay_and_compile_fast(kw, reason):
     assert rep.pass_seconds["mhc"] < 5.0 and elapsed < 120
     for a, b in zip(out, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kw,reason",
+    [
+        (dict(rms="sum_no_keepdim"), "keepdim"),
+        (dict(pre_alpha=1000.0), "keyword arguments"),
+        (dict(last_alpha=1e5), "keyword arguments"),
+        (dict(pre_step=2), "three column slices"),
+    ],
+)
+def test_near_misses_that_changed_the_result(kw, reason):
+    """Spellings the walker took before and computed something else from: no keepdim on the RMS sum (M = 24, the
+    mix width, so it broadcasts), an add with alpha (eps scaled), a stepped mix slice."""
+    out, ref, rep = _run(_variant(**kw), m=24)
+    assert rep.sites == {}, rep.to_markdown()
+    assert rep.skipped and reason in rep.skipped[0].reason, rep.to_markdown()
+    for a, b in zip(out, ref):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
 
 
 def test_iteration_count_follows_pass_config():
