@@ -31,12 +31,15 @@ def _is(n: object, op: object) -> bool:
     return isinstance(n, fx.Node) and n.op == "call_function" and n.target == op
 
 
-def _depends_on(node: object, target: fx.Node, limit: int = 4096) -> bool:
-    """Whether ``node`` is computed from ``target`` (bounded backwards walk)."""
+def _depends_on(node: object, target: fx.Node) -> bool:
+    """Whether ``node`` is computed from ``target``: a backwards walk that stops at nodes placed before ``target``
+    (the graph is in topological order, so none of those reads it), so no depth bound can cut it short."""
+    order = {n: i for i, n in enumerate(target.graph.nodes)}
+    start = order[target]
     stack, seen = [node], set()
-    while stack and len(seen) < limit:
+    while stack:
         n = stack.pop()
-        if not isinstance(n, fx.Node) or n in seen:
+        if not isinstance(n, fx.Node) or n in seen or order.get(n, -1) < start:
             continue
         if n is target:
             return True
@@ -124,12 +127,14 @@ def fuse_pre(graph: fx.Graph, ctx: PassContext) -> int:
             continue
         col = cols[0]
         pre_prev, weight, eps = col.args[1], col.args[2], col.args[3]
-        if _depends_on(pre_prev, stats):
+        _, fn, scale, base, iters, hc_eps, norm_eps, providers, mode = stats.args
+        if _depends_on(pre_prev, stats) or _depends_on(weight, stats) or _depends_on(stats, col):
             site = stats.meta.get("dsv41_site")
             if site is not None:
-                site.note = "V4 wiring: the collapse uses these stats' pre, so stats and collapse stay two ops"
+                site.note = ("V4 wiring: the collapse uses these stats' pre, so stats and collapse stay two ops"
+                             if _depends_on(pre_prev, stats) else
+                             "the collapse and the stats depend on each other's outputs: they stay two ops")
             continue
-        _, fn, scale, base, iters, hc_eps, norm_eps, providers, mode = stats.args
         args = (h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, providers, mode)
         node, gets = _emit(
             graph, OPS.mhc_pre.default, args, _latest(graph, [h, pre_prev, fn, scale, base, weight]), stats
@@ -147,6 +152,10 @@ def fuse_boundary(graph: fx.Graph, ctx: PassContext) -> int:
             continue
         y, res, p, c, providers, mode = post.args
         h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, _, _ = pre.args
+        if any(_depends_on(a, post) for a in (pre_prev, fn, scale, base, weight)):
+            for site in _sites(pre):  # one op cannot take an input computed from its own output
+                site.note = "the next pre's other inputs are computed from this post's output: no mhc_boundary"
+            continue
         args = (y, res, p, c, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, providers, mode)
         latest = _latest(graph, [y, res, p, c, pre_prev, fn, scale, base, weight])
         node, gets = _emit(graph, OPS.mhc_boundary.default, args, latest, pre)
