@@ -81,6 +81,8 @@ def _post_check(v) -> str | None:
         None
         if same(post.shape[1], n) and same(comb.shape[1], n) and same(comb.shape[2], n)
         else "post/comb width != hc_mult",
+        None if same(post.shape[0], m) and same(comb.shape[0], m)
+        else f"post {tuple(post.shape)} / comb {tuple(comb.shape)} are not per token (M = {m})",
         is_contiguous_rows("res", res),
     )
 

@@ -65,6 +65,17 @@ def test_near_misses_are_skipped_with_a_reason(fn, why):
     torch.testing.assert_close(out, fn(*args))
 
 
+def test_post_and_comb_shared_by_every_token_are_skipped():
+    """post [1, n] and comb [1, n, n] broadcast over the tokens: the op takes them per token, so the site stays
+    (it was rewritten, and the op then raised on the shapes)."""
+    y, res, post, comb = _args()
+    post, comb = post[:1], comb[:1]
+    out = _compile(hc_post)(y, res, post, comb)
+    rep = dp.last_report()
+    assert rep.sites == {} and rep.skipped and "not per token" in rep.skipped[0].reason, rep.to_markdown()
+    assert torch.equal(out, hc_post(y, res, post, comb))
+
+
 def test_fp16_residual_is_skipped():
     args = _args(dtype=torch.float16)
 
