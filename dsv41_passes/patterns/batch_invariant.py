@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from .base import PassContext
+from .base import PassContext, Site
 
 aten = torch.ops.aten
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -36,7 +36,13 @@ def rewrite(graph: fx.Graph, ctx: PassContext) -> int:
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor) or val.dtype not in _FLOATS:
             continue
-        site = ctx.site(node, "bi_matmul")
+        other = ctx.sites.get(node)
+        if other is not None and other.kind != "bi_matmul":
+            # another family's site anchored here (skipped: its subgraph stays, this GEMM of it pinned): the
+            # pinning gets a row of its own, and that site's status stays its own
+            site = ctx.sites[("bi_matmul", node)] = Site("bi_matmul", node, other.location, other.layer, other.source)
+        else:
+            other, site = None, ctx.site(node, "bi_matmul")
         if node.target == aten.addmm.default:
             bias, a, b = node.args[:3]
             if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
@@ -51,6 +57,8 @@ def rewrite(graph: fx.Graph, ctx: PassContext) -> int:
             out = _emit(graph, node, op, (*node.args[:2], ctx.providers, ctx.mode))
         node.replace_all_uses_with(out)
         graph.erase_node(node)
+        if other is not None:
+            other.anchor = out  # not erased by a rewrite of its own
         site.rewritten = True
         site.provider = "pinned"
         n += 1

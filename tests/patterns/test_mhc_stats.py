@@ -152,6 +152,18 @@ def test_near_misses_that_changed_the_result(kw, reason):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
 
 
+def test_near_miss_in_batch_invariant_mode_stays_skipped():
+    """The skipped site's projection GEMM is pinned (bi_matmul, a row of its own); the mhc_stats row stays skipped
+    (it read 'rewritten' once the pinning had replaced its anchor)."""
+    out, ref, rep = _run(_variant(iters=19), dp.PassConfig(providers=("reference",), batch_invariant=True))
+    rows = {r.kind: r for r in rep.rows}
+    assert rep.sites == {"bi_matmul": 1}, rep.to_markdown()
+    assert rows["mhc_stats"].status == "skipped" and "19 iterations" in rows["mhc_stats"].reason
+    assert rows["bi_matmul"].status == "rewritten" and "dsv41.bi_mm" in rep.after
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+
+
 def test_iteration_count_follows_pass_config():
     out, ref, rep = _run(_variant(iters=19), dp.PassConfig(providers=("reference",), hc_sinkhorn_iters=19))
     assert rep.sites == {"mhc_stats": 1}
