@@ -17,9 +17,12 @@ build time. An in-place update (``copy_``, an optimizer step,
 ``load_state_dict``) bumps the counter and the next call rebuilds the parts; a
 freed weight drops its entry. With ``static=True`` (``PassConfig(static_weights=
 True)``) the parts are built once and a changed counter raises before any kernel
-runs. Limits: writes through ``.data`` do not bump the counter (as for autograd),
-and inference tensors have no counter (their parts are rebuilt on every call,
-with a warning, unless static).
+runs. An entry also holds a weak reference to the weight's storage: a parameter
+given new storage (``p.data = t``) rebuilds, even where the new storage lands at
+the old address. Limits: in-place writes through ``.data`` and fused optimizer
+steps (``torch.optim.*(fused=True)``) do not bump the counter (as for autograd):
+call ``clear_cache()`` after them; inference tensors have no counter (their parts
+are rebuilt on every call, with a warning, unless static).
 """
 
 from __future__ import annotations
@@ -82,6 +85,18 @@ class _Entry:
     ref: weakref.ref
     version: int | None
     parts: torch.Tensor
+    storage: Any  # StorageWeakRef of the weight's storage at build time
+
+    def same_tensor(self, fn: torch.Tensor) -> bool:
+        """The entry's weight is alive and still holds the storage it was built from: a ``.data = new`` on a live
+        parameter moves it to new storage, which may later land at the old address (same key, same version)."""
+        return self.ref() is not None and not self.storage.expired() and self.storage.cdata == _storage(fn).cdata
+
+
+def _storage(fn: torch.Tensor) -> Any:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(fn.untyped_storage())
 
 
 # re-entrant: dropping a parts tensor under the lock runs the weakref callback of its slice-major copy
@@ -116,7 +131,7 @@ def bf16x3_parts(fn: torch.Tensor, *, static: bool = False, np_cols: int = NP_DE
     ver = _version(fn)
     with _LOCK:
         e = _CACHE.get(key)
-        alive = e is not None and e.ref() is not None
+        alive = e is not None and e.same_tensor(fn)
         if alive and static:
             if e.version is not None and ver is not None and ver != e.version:
                 raise RuntimeError(
@@ -140,7 +155,7 @@ def bf16x3_parts(fn: torch.Tensor, *, static: bool = False, np_cols: int = NP_DE
     parts = build_parts(fn, np_cols)
     ref = weakref.ref(fn, lambda r, k=key: _drop(k, r))
     with _LOCK:
-        _CACHE[key] = _Entry(ref, ver, parts)
+        _CACHE[key] = _Entry(ref, ver, parts, _storage(fn))
         _STATS["builds"] += 1
     return parts
 

@@ -102,6 +102,16 @@ def test_a_new_tensor_at_a_recycled_address_is_not_served_stale_parts():
     assert torch.equal(mw.bf16x3_parts(fn2), _reference_parts(fn2))
 
 
+def test_a_parameter_given_new_storage_is_not_served_stale_parts():
+    """``p.data = t`` keeps the parameter (and its version) while the old storage is freed, so a later one can land
+    at the old address under the same key: every round must still give the new weight's parts."""
+    fn = torch.nn.Parameter(torch.randn(24, 256))
+    for i in range(12):  # (on the CI's CPU allocator the old code served stale parts within these rounds)
+        mw.bf16x3_parts(fn)
+        fn.data = torch.randn(24, 256)  # the old storage goes
+        assert torch.equal(mw.bf16x3_parts(fn), _reference_parts(fn)), i
+
+
 def test_static_weights_build_once_and_reject_updates():
     fn = torch.nn.Parameter(torch.randn(24, 128))
     p = mw.bf16x3_parts(fn, static=True)
