@@ -179,10 +179,14 @@ class DeepseekV41Config:
         kw: dict[str, Any] = {}
         extra: dict[str, Any] = {}
         for k, v in d.items():
-            if k in known and k != "extra":
+            if k == "extra" and isinstance(v, dict):  # our own to_dict(): its extras stay extras
+                extra.update(v)
+            elif k in known and k != "extra":
                 kw[k] = v
             else:
                 extra[k] = v
+        if isinstance(kw.get("weight_block_size"), list):  # JSON has no tuples
+            kw["weight_block_size"] = tuple(kw["weight_block_size"])
         qc = d.get("quantization_config") or {}
         if "weight_block_size" in qc:
             kw["weight_block_size"] = tuple(qc["weight_block_size"])

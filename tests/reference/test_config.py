@@ -92,3 +92,16 @@ def test_from_json_nested_text_config(tmp_path):
 def test_bad_config_is_rejected(bad):
     with pytest.raises(ValueError, match="DeepseekV41Config"):
         DeepseekV41Config.tiny(**bad)
+
+
+def test_to_dict_from_dict_round_trip_through_json():
+    """A config read from an HF-style dict (extras, a quantization block size) survives to_dict -> JSON -> from_dict
+    (the extras nested one level deeper and the block size came back a list)."""
+    C = DeepseekV41Config
+    hf = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
+          "quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32]},
+          "text_config": {"hidden_size": 5120}}
+    for cfg in (C.from_dict(hf), C.tiny(), C.flash(tp_size=4)):
+        again = C.from_dict(json.loads(json.dumps(cfg.to_dict())))
+        assert again == cfg
+    assert sorted(C.from_dict(hf).extra) == ["architectures", "model_type", "quantization_config"]
