@@ -113,4 +113,17 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--no-wo-a", action="store_true")
     i.set_defaults(fn=_inspect)
     args = p.parse_args(argv)
+    from .reference import DeepseekV41Config
+
+    most = len(DeepseekV41Config.tiny().compress_ratios)
+    if not 1 <= args.layers <= most:
+        p.error(f"--layers: the tiny model has 1 to {most} layers, got {args.layers}")
+    if args.cmd == "inspect":
+        args.providers = ",".join(n.strip() for n in args.providers.split(","))
+        try:
+            from .config import PassConfig
+
+            PassConfig(providers=tuple(args.providers.split(",")))
+        except ValueError as e:
+            p.error(f"--providers: {e}")
     return args.fn(args)

@@ -133,3 +133,17 @@ def test_register_twice_and_through_the_entry_point():
     assert out.returncode == 0 and "[2.0, 2.0]" in out.stdout and "registered" in out.stdout, out.stderr[-2000:]
     dp.register()
     dp.register()
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["demo", "--layers", "5"], "1 to 4 layers"),
+    (["inspect", "--layers", "0"], "1 to 4 layers"),
+    (["inspect", "--providers", "triton"], "end with 'reference'"),
+    (["inspect", "--providers", "cuda,reference"], "unknown"),
+])
+def test_cli_rejects_bad_flags_with_a_usage_error(argv, msg, capsys):
+    from dsv41_passes import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2 and msg in capsys.readouterr().err

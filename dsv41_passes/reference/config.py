@@ -89,6 +89,7 @@ class DeepseekV41Config:
         need(self.num_attention_heads % self.o_groups == 0, "num_attention_heads must divide into o_groups")
         need(self.head_dim % self.kv_quant_block == 0, "head_dim must be a multiple of kv_quant_block")
         need(self.tp_size >= 1, "tp_size must be >= 1")
+        need(self.num_hidden_layers >= 1, f"num_hidden_layers must be >= 1, got {self.num_hidden_layers}")
         for name in ("num_attention_heads", "o_groups", "n_routed_experts", "vocab_size"):
             need(getattr(self, name) % self.tp_size == 0, f"{name} must be divisible by tp_size={self.tp_size}")
         need(
