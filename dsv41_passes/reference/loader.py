@@ -54,6 +54,38 @@ def _scale_name(weight_name: str) -> str:
     return weight_name[: -len("weight")] + "scale"
 
 
+_FP8_NAMES = {"F8_E4M3"}
+_PLAIN_NAMES = {"BF16", "F32", "F16"}
+
+
+def _check_before_copying(path: object, shards: dict[str, Path], params: dict[str, torch.Tensor]) -> None:
+    """Every shard file present, every tensor's dtype and shape right, every FP8 weight's scale there: all read from
+    the files' headers, and all problems named at once, before the model is touched."""
+    problems: list[str] = []
+    absent = sorted({os.fspath(fp) for fp in shards.values() if not fp.is_file()})
+    if absent:
+        raise CheckpointError(f"checkpoint {path}: its index names shard files that do not exist: {', '.join(absent)}")
+    by_file: dict[Path, list[str]] = {}
+    for name in sorted(params):
+        if name in shards:
+            by_file.setdefault(shards[name], []).append(name)
+    for fp, names in by_file.items():
+        with safe_open(os.fspath(fp), framework="pt") as f:
+            for name in names:
+                sl = f.get_slice(name)
+                dtype, shape = sl.get_dtype(), tuple(sl.get_shape())
+                want = tuple(params[name].shape)
+                if dtype not in _FP8_NAMES | _PLAIN_NAMES:
+                    problems.append(f"{name} has unsupported dtype {dtype}")
+                elif dtype in _FP8_NAMES and _scale_name(name) not in shards:
+                    problems.append(f"{name} is FP8 but its scale tensor {_scale_name(name)} is missing")
+                if shape != want:
+                    problems.append(f"{name} has shape {shape} in the checkpoint, the model expects {want}")
+    if problems:
+        raise CheckpointError(f"checkpoint {path} does not match the model (nothing was loaded): "
+                              + "; ".join(problems))
+
+
 @torch.no_grad()
 def load_checkpoint(
     model: nn.Module, path: str | os.PathLike[str], strict: bool = True, progress: bool = False
@@ -76,6 +108,7 @@ def load_checkpoint(
         problems.append(f"unexpected tensors: {', '.join(unexpected)}")
     if problems:
         raise CheckpointError(f"checkpoint {path} does not match the model; " + "; ".join(problems))
+    _check_before_copying(path, shards, params)
 
     handles: dict[Path, object] = {}
     try:

@@ -92,3 +92,26 @@ def test_single_file_and_errors(tmp_path, tiny):
 
     with pytest.raises(CheckpointError, match="does not exist"):
         load_checkpoint(dst, tmp_path / "nope")
+
+
+def test_every_problem_named_before_anything_is_loaded(tmp_path, tiny):
+    """Two mis-shaped tensors: both are named, and the model is untouched (the first ones used to be copied before
+    the error); an index naming a missing shard is a CheckpointError too."""
+    src = DeepseekV41ForCausalLM(tiny, max_num_tokens=64, seed=1)
+    sd = _state(src)
+    sd["norm.weight"] = torch.zeros(3)
+    sd["layers.1.attn.wo_b.weight"] = torch.zeros(5, 7, dtype=torch.bfloat16)
+    save_file(sd, tmp_path / "two.safetensors")
+    dst = DeepseekV41ForCausalLM(tiny, max_num_tokens=64, seed=2)
+    before = _state(dst)
+    with pytest.raises(CheckpointError, match=r"nothing was loaded.*layers\.1\.attn\.wo_b\.weight.*norm\.weight"):
+        load_checkpoint(dst, tmp_path / "two.safetensors")
+    assert all(torch.equal(v, before[k]) for k, v in _state(dst).items())
+
+    shard = tmp_path / "sharded"
+    shard.mkdir()
+    save_file(_state(src), shard / "a.safetensors")
+    index = {"weight_map": {k: ("a.safetensors" if i % 2 else "b.safetensors") for i, k in enumerate(sorted(sd))}}
+    (shard / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="shard files that do not exist"):
+        load_checkpoint(dst, shard)
