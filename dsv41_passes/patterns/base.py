@@ -117,6 +117,9 @@ class Spelling:
     # whose first input has exactly that many rows (the decode graph at M = 1, whose decompositions
     # place size-1 dims differently, e.g. einsum's permutes).
     tokens: int | None = None
+    # None, or a check at match time: None when this spelling may apply to the graph being compiled, else why not
+    # (a spelling of what Inductor makes of the code under some setting only)
+    applies: Callable[[], str | None] | None = None
 
 
 @dataclass
@@ -441,7 +444,9 @@ def _extra_check(pat: FusionPattern, sp: Spelling, ref_gm: fx.GraphModule) -> Ca
             first = values.get(argnames[0])
             if not (isinstance(first, torch.Tensor) and _is_int(first.shape[0]) and first.shape[0] == sp.tokens):
                 return False
-        why = _Verifier(ref_gm, argnames, match, sp.scalars).run(match.output_nodes())
+        why = sp.applies() if sp.applies is not None else None
+        if why is None:
+            why = _Verifier(ref_gm, argnames, match, sp.scalars).run(match.output_nodes())
         if why is None:
             why = pat.check(values)
         if why is not None:

@@ -185,6 +185,17 @@ def _collapse_replace(h, pre, weight=None, eps=0.0):
     return torch.ops.dsv41.mhc_collapse(h, pre, weight, float(eps), ctx.providers, ctx.mode)
 
 
+def _casts_may_be_dropped() -> str | None:
+    """The collapse's bf16 round trip is missing from the graph: Inductor drops it on GPU graphs, but with
+    ``emulate_precision_casts`` it keeps every cast, so there the program itself has no rounding to restore."""
+    import torch._inductor.config as icfg
+
+    if getattr(icfg, "emulate_precision_casts", False):
+        return ("no bf16 rounding between the collapse and the norm, and Inductor keeps casts "
+                "(emulate_precision_casts): the fused op would add one")
+    return None
+
+
 def _collapse_spellings() -> list[Spelling]:
     out = []
     for name, term in COLLAPSE_TERMS.items():
@@ -197,6 +208,7 @@ def _collapse_spellings() -> list[Spelling]:
                         _collapse_norm(term, first, trip),
                         _collapse_norm_inputs,
                         scalars={"eps": EPS_SENTINEL},
+                        applies=None if trip else _casts_may_be_dropped,
                     )
                 )
     return out
