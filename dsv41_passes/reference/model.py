@@ -33,7 +33,9 @@ Simplified (stated here and in the README):
   model does not run, since it has no collectives.
 
 Window cache layout: ``kv_cache [max_num_seqs * W + 1, D]`` bf16 per layer.
-Sequence ``b`` of a call uses cache rows ``seq_slots[b] * W + pos % W``; a token
+Sequence ``b`` of a call uses cache rows ``seq_slots[b] * W + pos % W`` (``seq_slots`` may be longer than the
+batch: entries past it are unused, so a fixed ``[max_num_seqs]`` table keeps one compiled graph for every batch,
+while a ``[B]`` one gets a graph of its own at B = 1, as every size-1 input does under Dynamo); a token
 that is not among the last ``W`` tokens of its sequence in this call is written
 to the final scratch row instead (never read). Each sequence's tokens must have
 consecutive positions; the cache holds the ``W`` positions before a sequence's
@@ -104,6 +106,8 @@ class BatchMeta:
             seq_id = torch.searchsorted(cu_seqlens, tok, right=True) - 1  # no size-B tensor: B = 1 needs no own graph
             start_pos = positions[cu_seqlens[seq_id]]
             last_pos = positions[cu_seqlens[seq_id + 1] - 1]
+        if seq_slots is not None and cu_seqlens is not None:
+            torch._check(seq_slots.shape[0] >= cu_seqlens.shape[0] - 1, lambda: "seq_slots is shorter than the batch")
         slot_of_seq = seq_id if seq_slots is None else seq_slots[seq_id]
         base = slot_of_seq * window
         # keys of query i: positions p_i - w for w in [0, W)
