@@ -124,6 +124,12 @@ def _normed(xf, eps):
     return xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
 
 
+def _normed_functional(xf, eps):
+    """``F.rms_norm``'s normalised value as it reaches post-grad graphs: its decomposition adds eps in place
+    (``add.Scalar`` once functionalized), which the plain trace of ``_normed`` does not produce."""
+    return xf * torch.rsqrt(torch.ops.aten.add.Scalar(xf.pow(2).mean(-1, keepdim=True), eps))
+
+
 def _collapse_only(term):
     def search(h, pre):
         return term(h, pre).to(BF16)
@@ -131,7 +137,7 @@ def _collapse_only(term):
     return search
 
 
-def _collapse_norm(term, weight_first: bool, round_trip: bool = True):
+def _collapse_norm(term, weight_first: bool, round_trip: bool = True, functional: bool = False):
     """collapse -> bf16 -> RMSNorm. ``round_trip=False`` is the same code after Inductor (GPU,
     without ``emulate_precision_casts``) dropped the bf16 -> fp32 round trip between the two: the
     fused op restores the reference's rounding point there."""
@@ -140,7 +146,12 @@ def _collapse_norm(term, weight_first: bool, round_trip: bool = True):
         x = term(h, pre)
         return x.to(BF16).float() if round_trip else x
 
-    if weight_first:
+    if functional:  # F.rms_norm(x, (d,), weight, eps): (x * rstd) * weight
+
+        def search(h, pre, weight, eps):
+            return (_normed_functional(collapsed(h, pre), eps) * weight).to(BF16)
+
+    elif weight_first:
 
         def search(h, pre, weight, eps):
             return (weight * _normed(collapsed(h, pre), eps)).to(BF16)
@@ -200,12 +211,12 @@ def _collapse_spellings() -> list[Spelling]:
     out = []
     for name, term in COLLAPSE_TERMS.items():
         out.append(Spelling(name, _collapse_only(term), _collapse_inputs))
-        for first in (True, False):
+        for norm in ("rms_norm", "rms_norm_weight_last", "F.rms_norm"):
             for trip in (True, False):
                 out.append(
                     Spelling(
-                        f"{name}+rms_norm{'' if first else '_weight_last'}{'' if trip else '_casts_dropped'}",
-                        _collapse_norm(term, first, trip),
+                        f"{name}+{norm}{'' if trip else '_casts_dropped'}",
+                        _collapse_norm(term, norm == "rms_norm", trip, functional=norm == "F.rms_norm"),
                         _collapse_norm_inputs,
                         scalars={"eps": EPS_SENTINEL},
                         applies=None if trip else _casts_may_be_dropped,

@@ -50,6 +50,23 @@ def test_spellings(term, norm):
     assert torch.equal(out, ref) or (out.float() - ref.float()).abs().max() <= 2 ** -7 * ref.abs().max()
 
 
+@pytest.mark.parametrize("term", sorted(COLLAPSE_TERMS))
+def test_functional_rms_norm_after_the_collapse(term):
+    """``F.rms_norm`` on the collapse (its decomposition adds eps as add.Scalar): the norm goes into the fused op
+    (only the collapse was rewritten before), with the reference's bits."""
+    import torch.nn.functional as F
+
+    h, pre, w = _args()
+    collapse = _collapse_only(COLLAPSE_TERMS[term])
+
+    def fn(h, pre, w):
+        return F.rms_norm(collapse(h, pre).float(), (h.shape[-1],), w, 1e-6).to(BF16)
+
+    out, rep = _run(fn, (h, pre, w))
+    assert rep.sites == {"mhc_collapse": 1} and "rsqrt" not in rep.after, rep.to_markdown()
+    assert torch.equal(out, fn(h, pre, w))
+
+
 def test_model_functions_with_bf16_weight_and_tiny_eps():
     h, pre, w = _args(wdtype=BF16)
 
