@@ -25,6 +25,9 @@ Simplified (stated here and in the README):
   (YaRN) RoPE table;
 * no Engram memory, no DSpark/MTP drafter, no vision tower, no MoE
   ``gate_temp``/image-token bias;
+* the linear layers run in bf16 on dequantized weights: the FP8 GEMMs' per-block
+  activation quantization (e.g. ``act_quant(z)`` before WO-B) is not modelled (the
+  KV path's FP8 round trip is);
 * the MoE runs every expert densely on every token with a zero weight for the
   experts a token did not select (the same result as sparse dispatch, and no
   data-dependent Python control flow, so ``torch.compile(fullgraph=True)`` takes
