@@ -70,6 +70,8 @@ def check_q_args(q_buf: torch.Tensor, q: torch.Tensor, cos: torch.Tensor, sin: t
     _check(m <= q_buf.shape[0], f"{op}: {m} tokens do not fit the buffer's {q_buf.shape[0]} rows")
     _check(q.dtype == BF16 and q_buf.dtype == BF16,
            f"{op}: q and q_buf must be bfloat16, got {q.dtype} / {q_buf.dtype}")
+    _check(torch._debug_has_internal_overlap(q_buf) != 1, f"{op}: q_buf has elements that share memory "
+           f"(strides {tuple(q_buf.stride())}): a store would write them more than once")
     _check_rope_tables(op, cos, sin, m, d)
     _check_device(op, q_buf, q, cos, sin)
 
@@ -98,6 +100,8 @@ def check_kv_args(
     m, d = kv.shape
     _check(cache.dim() == 2 and cache.shape[1] == d, f"{op}: cache must be [slots, {d}], got {tuple(cache.shape)}")
     _check(cache.dtype == BF16, f"{op}: cache must be bfloat16, got {cache.dtype}")
+    _check(torch._debug_has_internal_overlap(cache) != 1, f"{op}: cache has elements that share memory "
+           f"(strides {tuple(cache.stride())}): a store would write them more than once")
     _check(tuple(slots.shape) == (m,), f"{op}: slots must be [M] = [{m}], got {tuple(slots.shape)}")
     _check(slots.dtype == torch.int64, f"{op}: slots must be int64, got {slots.dtype}")
     _check_device(op, cache, kv, slots)

@@ -57,6 +57,7 @@ def check_args(
     m, h, d = o.shape
     n, k = weight.shape
     _check(h > 0 and d > 0, f"o must have heads and a head dim, got shape {tuple(o.shape)}")
+    _check(n > 0, f"weight must have rows (G*R > 0), got shape {tuple(weight.shape)}")
     _check(k > 0 and (h * d) % k == 0, f"weight row length {k} does not divide H*D = {h * d}")
     g = h * d // k
     _check(h % g == 0, f"{g} groups do not split {h} heads evenly (K = {k}, D = {d})")

@@ -72,6 +72,7 @@ def test_q_rope_store_zero_tokens():
         (dict(cos=lambda a: a.double(), sin=lambda a: a.double()), "float32"),
         (dict(cos=lambda a: torch.zeros(13, 40), sin=lambda a: torch.zeros(13, 40)), "rope dims"),
         (dict(q=lambda a: a[0]), r"\[M, heads, head_dim\]"),
+        (dict(buf=lambda a: a[:1].expand(20, -1, -1)), "share memory"),
     ],
 )
 def test_q_rope_store_bad_inputs(change, match):
@@ -80,6 +81,31 @@ def test_q_rope_store_bad_inputs(change, match):
     args.update({k: f(args[k]) for k, f in change.items()})
     with pytest.raises(ValueError, match=match):
         ops.q_rope_store(args["buf"], args["q"], args["cos"], args["sin"], "reference", 0)
+
+
+def test_q_and_kv_stores_read_their_inputs_before_writing_over_them():
+    """q inside the Q buffer one row further on, and a KV cache that is the kv tensor itself (other slots): the
+    Triton kernels stored over rows other programs had still to read; they now work from a copy (the reference
+    provider's bits). q as the buffer's own rows (the model's in-place use) needs none."""
+    m, h, d, rd = 6, 2, 16, 8
+    _, cos, sin = _tables(m, rd)
+    init = (torch.randn(m + 1, h, d, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
+    got = {}
+    for p in ("triton", "reference"):
+        base = init.clone()
+        ops.q_rope_store(base[1:], base[:m], cos, sin, p, 0)
+        got[p] = base
+    assert torch.equal(_bits(got["triton"]), _bits(got["reference"]))
+
+    _, kv, weight, kcos, ksin, _ = _kv_case(4, 32, 16, 4)
+    slots = torch.tensor([1, 2, 3, 0])
+    res = {}
+    for p in ("triton", "reference"):
+        buf = kv.clone()
+        out = ops.kv_rope_quant_store(buf, buf, weight, 1e-6, kcos, ksin, slots, 8, p, 0)
+        res[p] = (out, buf)
+    assert torch.equal(_bits(res["triton"][0]), _bits(res["reference"][0]))
+    assert torch.equal(_bits(res["triton"][1]), _bits(res["reference"][1]))
 
 
 # ----------------------------------------------------------------------------- FP8
@@ -225,6 +251,7 @@ def test_kv_zero_tokens():
         (dict(weight=lambda a: a.to(BF16)), "float32"),
         (dict(cache=lambda a: a.half()), "bfloat16"),
         (dict(cache=lambda a: a[:, :32]), "cache must be"),
+        (dict(cache=lambda a: a[:1].expand(a.shape[0], -1)), "share memory"),
         (dict(kv=lambda a: a.float()), "bfloat16"),
         (dict(cos=lambda a: torch.zeros(5, 40), sin=lambda a: torch.zeros(5, 40)), "rope dims"),
         (dict(cos=lambda a: a[:, None], sin=lambda a: a[:, None]), "cos/sin must be"),

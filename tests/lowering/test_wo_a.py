@@ -250,6 +250,7 @@ def test_fake_matches_real_layout():
         (lambda a: {**a, "cos": a["cos"].double()}, "cos must be float32"),
         (lambda a: {**a, "o": a["o"].transpose(1, 2).contiguous().transpose(1, 2)}, "contiguous heads"),
         (lambda a: {**a, "o": a["o"][:, :0]}, "o must have heads"),
+        (lambda a: {**a, "w": a["w"][:0]}, "weight must have rows"),
     ],
 )
 def test_bad_inputs_raise_clear_errors(mutate, msg):

@@ -20,6 +20,21 @@ except ImportError:  # pragma: no cover - older Triton
 PDL_SUPPORTED = gdc_wait is not None and not INTERPRET
 
 
+def overlaps(a, b) -> bool:
+    """Whether the memory ``a`` spans intersects the memory ``b`` spans (same storage, byte ranges from the first
+    to the last element; conservative for interleaved views): a kernel that writes ``b`` tile by tile while other
+    programs still read ``a`` needs a copy of ``a`` then."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t):
+        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 @triton.jit
 def pdl_prologue(PDL: tl.constexpr):
     """PDL (the launch passes ``launch_pdl=True``): let the next kernel's grid launch now, then wait until

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from ...tuning import tactic
 from ..rope_tables import interleaved_view
-from .common import INTERPRET, pairwise_row_sum, pdl_available, pdl_prologue
+from .common import INTERPRET, overlaps, pairwise_row_sum, pdl_available, pdl_prologue
 from .rope_store import (
     _fp8_qdq_pairs,
     _pack_bf16x2,
@@ -379,6 +379,8 @@ def kv_rope_quant(
     if m == 0:
         return out
     weight = weight.contiguous()  # the kernels index it densely ([d] fp32: a copy only for a strided view)
+    if cache is not None and overlaps(kv, cache):
+        kv = kv.clone()  # a program would read kv rows another one has already stored over
     rd = 2 * cos.shape[1]
     op = "kv_rope_quant_store" if cache is not None else "kv_rope_quant"
     default = kv_default_config(d, rd, block) if batch_invariant else kv_untuned_config(m, d, rd, block)

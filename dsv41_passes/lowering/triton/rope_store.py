@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ...tuning import tactic
+from .common import overlaps
 
 # Launch configs worth timing per op (the tuner's search space). The batch-invariant defaults are M-independent.
 Q_DEFAULT = dict(BLOCK_T=1, BLOCK_H=4, num_warps=4)
@@ -232,6 +233,8 @@ def q_rope_store(
     m, h, d = q.shape
     if m == 0:
         return
+    if overlaps(q, q_buf) and not (q.data_ptr() == q_buf.data_ptr() and q.stride() == q_buf.stride()):
+        q = q.clone()  # q inside the buffer at other positions: other programs would read rows already written
     rd = 2 * cos.shape[1]
     cfg = config or tactic("q_rope_store", m, q_shape_key(q, cos), default=Q_DEFAULT, batch_invariant=batch_invariant)
     block_h = min(cfg["BLOCK_H"], triton.next_power_of_2(h))
