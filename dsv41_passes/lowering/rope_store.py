@@ -146,7 +146,7 @@ def _pair_words_why(**tensors: torch.Tensor) -> str | None:
             return f"{name}: odd head_dim {t.shape[-1]}"
         if t.stride(-1) != 1:
             return f"{name}: head_dim not contiguous"
-        if t.storage_offset() % 2 or any(s % 2 for s in t.stride()[:-1]):
+        if t.data_ptr() % 4 or any(s % 2 for s in t.stride()[:-1]):  # (the storage itself may start off a word)
             return f"{name}: odd stride or offset (bf16 pairs not 4-byte aligned)"
     return None
 

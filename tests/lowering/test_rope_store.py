@@ -364,3 +364,15 @@ def test_gpu_kv_matches_cpu_rule(m):
     assert torch.equal(c_gpu.cpu()[slots], out)
 
 
+
+
+def test_pair_kernels_decline_a_storage_that_starts_off_a_word():
+    """The Triton kernels load bf16 pairs as 4-byte words: a tensor at offset 0 of a storage that itself starts 2
+    bytes into a buffer is declined (the check looked at the storage offset only)."""
+    from dsv41_passes.lowering.rope_store import _pair_words_why
+
+    raw = bytearray(2 + 4 * 8 * 2)
+    t = torch.frombuffer(raw, dtype=torch.bfloat16, offset=2).view(4, 8)
+    assert t.storage_offset() == 0 and t.data_ptr() % 4 == 2
+    assert "4-byte aligned" in _pair_words_why(q=t)
+    assert _pair_words_why(q=torch.zeros(4, 8, dtype=torch.bfloat16)) is None
