@@ -13,10 +13,15 @@ import os
 
 
 def _env_default() -> bool:
-    return os.environ.get("DSV41_BATCH_INVARIANT", "0").lower() in ("1", "true", "on", "yes")
+    return os.environ.get("DSV41_BATCH_INVARIANT", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
-_STATE = {"batch_invariant": _env_default()}
+_STATE = {"batch_invariant": _env_default(), "changes": 0}
+
+
+def _set(enabled: bool) -> None:
+    _STATE["batch_invariant"] = enabled
+    _STATE["changes"] += 1
 
 
 def is_batch_invariant() -> bool:
@@ -27,14 +32,20 @@ class batch_invariant:  # noqa: N801  (used like a function)
     """Turn batch-invariant mode on (or off); as a context manager, restore the old mode on exit."""
 
     def __init__(self, enabled: bool = True) -> None:
+        self.enabled = bool(enabled)
         self.previous = _STATE["batch_invariant"]
-        _STATE["batch_invariant"] = bool(enabled)
+        _set(self.enabled)
+        self._set_at = _STATE["changes"]  # (the plain-setter use ends here)
 
     def __enter__(self) -> "batch_invariant":
+        if self._set_at != _STATE["changes"]:  # entered later than made, or again: apply its mode now
+            self.previous = _STATE["batch_invariant"]
+            _set(self.enabled)
+        self._set_at = None
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _STATE["batch_invariant"] = self.previous
+        _set(self.previous)
 
 
 def check_mode(compiled_batch_invariant: bool, follows_global: bool) -> None:

@@ -31,7 +31,7 @@ _TABLE: dict[str, dict[str, Any]] = {}
 
 
 def enabled() -> bool:
-    return os.environ.get("DSV41_TACTICS", "on").lower() not in ("off", "0", "false", "no")
+    return os.environ.get("DSV41_TACTICS", "on").strip().lower() not in ("off", "0", "false", "no")
 
 
 def bucket(m: int) -> int:
@@ -214,7 +214,7 @@ def warmup(
     bi = pc.resolved_batch_invariant()
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tunables = tunables_for(cfg, dev)
-    todo = [(b, t) for b in buckets(max_tokens) for t in tunables]
+    todo = [(b, t) for b in buckets(bucket(max_tokens)) for t in tunables]  # up to the bucket max_tokens falls in
     chosen: dict[str, dict[int, dict[str, Any]]] = {}
     for b, t in tqdm(todo, disable=not progress, desc="dsv41 warm-up", unit="kernel"):
         inputs = t.make_inputs(b, dev)
@@ -229,8 +229,11 @@ def warmup(
                     timed.append((_time_ms(lambda c=cand: t.run(inputs, c), dev), cand))
                 except Exception:  # a candidate that does not fit this shape
                     continue
-            best = min(timed, key=lambda x: x[0])[1] if timed else t.default
-            record(t.op, b, t.shape_key, best)
+            if timed:
+                best = min(timed, key=lambda x: x[0])[1]
+                record(t.op, b, t.shape_key, best)
+            else:  # no candidate ran: what an untuned call runs, nothing recorded
+                best = t.untuned(b) if t.untuned else t.default
         t.run(inputs, best)  # compile the binary this bucket will use
         chosen.setdefault(t.op, {})[b] = dict(best)
     if dev.type == "cuda":
@@ -257,6 +260,8 @@ def kernel_cache_sizes() -> dict[str, int]:
                 continue  # never imported: nothing compiled
             total = 0
             for attr in vars(m).values():
+                if getattr(getattr(attr, "fn", None), "__module__", name) != name:
+                    continue  # a kernel imported from another module: counted there
                 caches = getattr(attr, "device_caches", None)  # triton.JITFunction
                 if isinstance(caches, dict):
                     for v in caches.values():

@@ -116,6 +116,30 @@ def test_env_and_setter():
     assert not dp.is_batch_invariant()
 
 
+def test_context_object_entered_later_or_again_applies_its_mode():
+    cm = dp.batch_invariant(True)
+    dp.batch_invariant(False)
+    with cm:  # made before another change: applied on entry
+        assert dp.is_batch_invariant()
+    assert not dp.is_batch_invariant()
+    with cm:  # again
+        assert dp.is_batch_invariant()
+    assert not dp.is_batch_invariant()
+    with pytest.raises(RuntimeError), dp.batch_invariant(True):
+        raise RuntimeError
+    assert not dp.is_batch_invariant()
+
+
+@pytest.mark.parametrize("value,want", [(" 1 ", True), ("1\n", True), ("TRUE", True), ("0", False), ("", False)])
+def test_env_value_with_spaces(monkeypatch, value, want):
+    from dsv41_passes import guards, tuning
+
+    monkeypatch.setenv("DSV41_BATCH_INVARIANT", value)
+    assert guards._env_default() is want
+    monkeypatch.setenv("DSV41_TACTICS", " off ")
+    assert tuning.enabled() is False
+
+
 @pytest.mark.slow
 def test_twelve_token_counts_one_graph_up_to_65536():
     from torch._dynamo.utils import counters

@@ -107,6 +107,33 @@ def test_disabled_cache(monkeypatch, tmp_path):
     assert len(w) == 2 and not (tmp_path / "x.json").exists()
 
 
+def test_warmup_covers_the_bucket_max_tokens_falls_in(monkeypatch):
+    """max_tokens = 3000 falls in the 4096 bucket: it is warmed up too (the buckets stopped at 2048, so calls of 2049
+    to 3000 tokens compiled and ran untuned); a bucket where no candidate runs records nothing."""
+    import dsv41_passes.lowering as lowering
+
+    ran = []
+
+    def fake(config, device=None):
+        def run(inputs, cfg):
+            if cfg["B"] == 3:
+                raise RuntimeError("does not fit")
+            ran.append((inputs, cfg["B"]))
+
+        return [tuning.Tunable("fake_op", {"d": 1}, lambda m, dev: m, run, [{"B": 1}, {"B": 2}], {"B": 0}),
+                tuning.Tunable("fake_none", {"d": 1}, lambda m, dev: m, run, [{"B": 3}, {"B": 3}], {"B": 0},
+                               lambda m: {"B": 5})]
+
+    monkeypatch.setattr(lowering, "tunables_for", fake)
+    tuning.clear()
+    chosen = dp.warmup(object(), max_tokens=3000, device="cpu", progress=False)
+    assert list(chosen["fake_op"])[-1] == 4096 == tuning.bucket(3000)
+    assert tuning.tactic("fake_op", 3000, {"d": 1}, {"B": 0}) in ({"B": 1}, {"B": 2})
+    assert all(cfg == {"B": 5} for cfg in chosen["fake_none"].values())  # what an untuned call runs
+    assert tuning.tactic("fake_none", 3000, {"d": 1}, {"B": 0}) == {"B": 0}  # nothing recorded
+    tuning.clear()
+
+
 def test_warmup_compiles_and_tunes_every_op_without_running_the_model(monkeypatch):
     import dsv41_passes.lowering as lowering
     from dsv41_passes.reference import DeepseekV41Config
