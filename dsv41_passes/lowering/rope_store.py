@@ -139,6 +139,15 @@ def _q_rope_store_reference(q_buf, q, cos, sin, *, batch_invariant):
     q_buf[:m, :h] = rope_tail_reference(q, cos, sin)
 
 
+def _word_aligned(t: torch.Tensor) -> bool:
+    """The data pointer on a 4-byte boundary (a storage may itself start off one); a fake tensor (the pass choosing a
+    provider at compile time) has no pointer: its storage offset is what is known then."""
+    try:
+        return t.data_ptr() % 4 == 0
+    except RuntimeError:
+        return t.storage_offset() % 2 == 0
+
+
 def _pair_words_why(**tensors: torch.Tensor) -> str | None:
     """The kernels move bf16 pairs as int32 words: even head_dim, unit last stride, even strides/offset."""
     for name, t in tensors.items():
@@ -146,7 +155,7 @@ def _pair_words_why(**tensors: torch.Tensor) -> str | None:
             return f"{name}: odd head_dim {t.shape[-1]}"
         if t.stride(-1) != 1:
             return f"{name}: head_dim not contiguous"
-        if t.data_ptr() % 4 or any(s % 2 for s in t.stride()[:-1]):  # (the storage itself may start off a word)
+        if not _word_aligned(t) or any(s % 2 for s in t.stride()[:-1]):
             return f"{name}: odd stride or offset (bf16 pairs not 4-byte aligned)"
     return None
 
