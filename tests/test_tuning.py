@@ -157,7 +157,13 @@ def test_warmup_compiles_and_tunes_every_op_without_running_the_model(monkeypatc
     assert ops <= set(chosen) and all(list(v) == [1, 2] for v in chosen.values())
     assert tuning.entries() == {}  # batch-invariant mode: defaults only, nothing tuned
     chosen = dp.warmup(cfg, max_tokens=2, device="cpu", progress=False)
-    assert len(tuning.entries()) == 2 * len(chosen)  # one tuned entry per op and bucket
+    # one tuned entry per op and bucket where a candidate ran (here the first two; none of some ops' fit the tiny
+    # shapes, and those buckets keep the untuned config), each the config the warm-up chose
+    ents = tuning.entries()
+    assert len(ents) >= len(chosen)
+    for key, cfg_ in ents.items():
+        op, _, b = key.split("|")
+        assert chosen[op][int(b)] == cfg_, key
 
 
 def test_warmup_without_tactics_compiles_what_untuned_calls_run(monkeypatch):
