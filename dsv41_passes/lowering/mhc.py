@@ -61,7 +61,7 @@ def _mhc_post_reference(y, res, post, comb, *, batch_invariant):
 # stats: projection + RMS + split/sigmoid/Sinkhorn
 # ---------------------------------------------------------------------------
 def check_stats_args(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-                     iters: int = 1, hc_eps: float = 0.0, norm_eps: float = 1.0) -> None:
+                     iters: int, hc_eps: float, norm_eps: float) -> None:
     _check(iters >= 1, f"mhc_stats: Sinkhorn iterations must be >= 1, got {iters}")
     _check(math.isfinite(hc_eps) and hc_eps >= 0, f"mhc_stats: hc_eps must be finite and >= 0, got {hc_eps}")
     _check(math.isfinite(norm_eps) and norm_eps > 0, f"mhc_stats: norm eps must be finite and > 0, got {norm_eps}")
@@ -116,7 +116,7 @@ def _mhc_stats_reference(h, fn, scale, base, iters, hc_eps, norm_eps, *, batch_i
 # ---------------------------------------------------------------------------
 # collapse (+ RMSNorm)
 # ---------------------------------------------------------------------------
-def check_collapse_args(h: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None, eps: float = 1.0) -> None:
+def check_collapse_args(h: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None, eps: float) -> None:
     _check(h.dim() == 3, f"mhc_collapse: h must be [M, hc_mult, hidden], got {tuple(h.shape)}")
     m, n, d = h.shape
     _check(1 <= n <= HC_MAX, f"mhc_collapse: hc_mult must be in [1, {HC_MAX}], got {n}")

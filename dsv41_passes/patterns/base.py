@@ -97,6 +97,13 @@ def normalize(graph: fx.Graph) -> int:
     return n
 
 
+def rms_normalized_functional(xf: torch.Tensor, eps: Any) -> torch.Tensor:
+    """``F.rms_norm``'s normalised value ``xf * rstd`` as it reaches post-grad graphs (a spelling fragment for the
+    families' search functions): its decomposition adds eps in place, ``add.Scalar`` once functionalized, which the
+    plain trace of ``x + eps`` does not produce."""
+    return xf * torch.rsqrt(aten.add.Scalar(xf.pow(2).mean(-1, keepdim=True), eps))
+
+
 def trace(fn: Callable[..., Any], args: Any, **kwargs: Any) -> fx.GraphModule:
     """Inductor's ``fwd_only`` followed by :func:`normalize`, the forms post-grad graphs carry."""
     params = inspect.signature(fwd_only).parameters

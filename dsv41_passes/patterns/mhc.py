@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .. import lowering  # noqa: F401  (registers torch.ops.dsv41.*)
-from .base import M_EX, FusionPattern, Spelling, current_context
+from .base import M_EX, FusionPattern, Spelling, current_context, rms_normalized_functional
 from .checks import first_failure, is_contiguous_rows, same, want_dtype
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -124,12 +124,6 @@ def _normed(xf, eps):
     return xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
 
 
-def _normed_functional(xf, eps):
-    """``F.rms_norm``'s normalised value as it reaches post-grad graphs: its decomposition adds eps in place
-    (``add.Scalar`` once functionalized), which the plain trace of ``_normed`` does not produce."""
-    return xf * torch.rsqrt(torch.ops.aten.add.Scalar(xf.pow(2).mean(-1, keepdim=True), eps))
-
-
 def _collapse_only(term):
     def search(h, pre):
         return term(h, pre).to(BF16)
@@ -149,7 +143,7 @@ def _collapse_norm(term, weight_first: bool, round_trip: bool = True, functional
     if functional:  # F.rms_norm(x, (d,), weight, eps): (x * rstd) * weight
 
         def search(h, pre, weight, eps):
-            return (_normed_functional(collapsed(h, pre), eps) * weight).to(BF16)
+            return (rms_normalized_functional(collapsed(h, pre), eps) * weight).to(BF16)
 
     elif weight_first:
 

@@ -31,10 +31,14 @@ def _is(n: object, op: object) -> bool:
     return isinstance(n, fx.Node) and n.op == "call_function" and n.target == op
 
 
-def _depends_on(node: object, target: fx.Node) -> bool:
+def _positions(graph: fx.Graph) -> dict[fx.Node, int]:
+    """Each node's place in the graph (topological order); taken once per candidate, before it is rewritten."""
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def _depends_on(node: object, target: fx.Node, order: dict[fx.Node, int]) -> bool:
     """Whether ``node`` is computed from ``target``: a backwards walk that stops at nodes placed before ``target``
     (the graph is in topological order, so none of those reads it), so no depth bound can cut it short."""
-    order = {n: i for i, n in enumerate(target.graph.nodes)}
     start = order[target]
     stack, seen = [node], set()
     while stack:
@@ -79,8 +83,7 @@ def _emit(graph: fx.Graph, op, args: tuple, after: fx.Node, like: fx.Node) -> tu
     return node, gets
 
 
-def _latest(graph: fx.Graph, nodes: list[object]) -> fx.Node:
-    order = {n: i for i, n in enumerate(graph.nodes)}
+def _latest(order: dict[fx.Node, int], nodes: list[object]) -> fx.Node:
     return max((n for n in nodes if isinstance(n, fx.Node)), key=lambda n: order[n])
 
 
@@ -128,16 +131,17 @@ def fuse_pre(graph: fx.Graph, ctx: PassContext) -> int:
         col = cols[0]
         pre_prev, weight, eps = col.args[1], col.args[2], col.args[3]
         _, fn, scale, base, iters, hc_eps, norm_eps, providers, mode = stats.args
-        if _depends_on(pre_prev, stats) or _depends_on(weight, stats) or _depends_on(stats, col):
+        order = _positions(graph)
+        v4 = _depends_on(pre_prev, stats, order)
+        if v4 or _depends_on(weight, stats, order) or _depends_on(stats, col, order):
             site = stats.meta.get("dsv41_site")
             if site is not None:
-                site.note = ("V4 wiring: the collapse uses these stats' pre, so stats and collapse stay two ops"
-                             if _depends_on(pre_prev, stats) else
-                             "the collapse and the stats depend on each other's outputs: they stay two ops")
+                site.note = ("V4 wiring: the collapse uses these stats' pre, so stats and collapse stay two ops" if v4
+                             else "the collapse and the stats depend on each other's outputs: they stay two ops")
             continue
         args = (h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, providers, mode)
         node, gets = _emit(
-            graph, OPS.mhc_pre.default, args, _latest(graph, [h, pre_prev, fn, scale, base, weight]), stats
+            graph, OPS.mhc_pre.default, args, _latest(order, [h, pre_prev, fn, scale, base, weight]), stats
         )
         _replace(graph, ctx, node, gets, single=col, multi=stats, op_name="mhc_pre")
         n += 1
@@ -152,12 +156,13 @@ def fuse_boundary(graph: fx.Graph, ctx: PassContext) -> int:
             continue
         y, res, p, c, providers, mode = post.args
         h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, _, _ = pre.args
-        if any(_depends_on(a, post) for a in (pre_prev, fn, scale, base, weight)):
+        order = _positions(graph)
+        if any(_depends_on(a, post, order) for a in (pre_prev, fn, scale, base, weight)):
             for site in _sites(pre):  # one op cannot take an input computed from its own output
                 site.note = "the next pre's other inputs are computed from this post's output: no mhc_boundary"
             continue
         args = (y, res, p, c, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, providers, mode)
-        latest = _latest(graph, [y, res, p, c, pre_prev, fn, scale, base, weight])
+        latest = _latest(order, [y, res, p, c, pre_prev, fn, scale, base, weight])
         node, gets = _emit(graph, OPS.mhc_boundary.default, args, latest, pre)
         _replace(graph, ctx, node, gets, single=post, multi=pre, op_name="mhc_boundary")
         n += 1

@@ -38,7 +38,7 @@ from .. import lowering  # noqa: F401  (registers torch.ops.dsv41.*)
 from ..reference.model import rms_norm
 from ..reference.quant import fp8_block_qdq
 from ..reference.rope import apply_rotary_complex, apply_rotary_real
-from .base import M_EX, FusionPattern, Spelling, current_context
+from .base import M_EX, FusionPattern, Spelling, current_context, rms_normalized_functional
 from .checks import first_failure, same, want_dtype
 
 aten = torch.ops.aten
@@ -176,14 +176,8 @@ def _q_provider_args(v: dict[str, Any]) -> tuple[Any, ...]:
 # KV: RMSNorm + RoPE + FP8 round trip + store by slot
 # ---------------------------------------------------------------------------
 def _norm_functional(kv, weight, eps):
-    """``F.rms_norm(kv.float(), (D,), weight, eps).to(kv.dtype)`` as it reaches post-grad graphs.
-
-    Its decomposition adds eps in place (``add_.Scalar``); functionalized graphs carry
-    ``add.Scalar``, which the plain trace of a search function would not produce.
-    """
-    xf = kv.float()
-    rstd = torch.rsqrt(aten.add.Scalar(xf.pow(2).mean(-1, keepdim=True), eps))
-    return (xf * rstd * weight).to(kv.dtype)
+    """``F.rms_norm(kv.float(), (D,), weight, eps).to(kv.dtype)`` as it reaches post-grad graphs."""
+    return (rms_normalized_functional(kv.float(), eps) * weight).to(kv.dtype)
 
 
 NORMS = {"rms_norm": rms_norm, "F.rms_norm": _norm_functional}

@@ -120,10 +120,8 @@ def load_checkpoint(
                 handles[fp] = safe_open(os.fspath(fp), framework="pt").__enter__()
             t = handles[fp].get_tensor(name)
             dst = params[name]
-            if t.dtype in _FP8:
+            if t.dtype in _FP8:  # (dtypes, shapes and the scale's presence were checked before the first copy)
                 sname = _scale_name(name)
-                if sname not in shards:
-                    raise CheckpointError(f"{name} is FP8 but its scale tensor {sname} is missing")
                 sfp = shards[sname]
                 if sfp not in handles:
                     handles[sfp] = safe_open(os.fspath(sfp), framework="pt").__enter__()
@@ -131,12 +129,6 @@ def load_checkpoint(
                     t = dequant_fp8_weight(t, handles[sfp].get_tensor(sname), block)
                 except ValueError as e:
                     raise CheckpointError(f"{sname}: {e}") from None
-            elif t.dtype not in (torch.bfloat16, torch.float32, torch.float16):
-                raise CheckpointError(f"{name} has unsupported dtype {t.dtype}")
-            if tuple(t.shape) != tuple(dst.shape):
-                raise CheckpointError(
-                    f"{name} has shape {tuple(t.shape)} in the checkpoint, the model expects {tuple(dst.shape)}"
-                )
             dst.copy_(t.to(dst.dtype))
     finally:
         for h in handles.values():
