@@ -104,6 +104,14 @@ def make_backend(config: PassConfig | None = None, options: dict[str, Any] | Non
                     stacklevel=2,
                 )
         patches = inductor_options(config) | user_opts
+        floats = _float_inputs(gm)
+        if floats:
+            msg = (f"float constants are graph inputs ({', '.join(floats[:4])}{', ...' if len(floats) > 4 else ''}): "
+                   "torch.compile(dynamic=True) does not specialize Python floats, and the patterns need eps and "
+                   "scale values as constants, so the sites reading them stay unrewritten; set "
+                   "torch._dynamo.config.specialize_float = True (dsv41_passes.compile does)")
+            warnings.warn(f"dsv41: {msg}", stacklevel=2)
+            patches["post_grad_custom_post_pass"].input_warnings = [msg]
         # AOTAutograd's own cache would skip the inner compile on a hit, and with it the report;
         # the FX graph cache below still serves the compiled code.
         import torch._functorch.config as fcfg
@@ -126,6 +134,17 @@ def make_backend(config: PassConfig | None = None, options: dict[str, Any] | Non
         return run
 
     return dsv41_backend
+
+
+def _float_inputs(gm: torch.fx.GraphModule) -> list[str]:
+    """Placeholders that Dynamo made of Python floats (unspecialized scalars passed as 0-d tensors)."""
+    out = []
+    for n in gm.graph.nodes:
+        ga = n.meta.get("grapharg") if n.op == "placeholder" else None
+        val = n.meta.get("example_value")
+        if getattr(ga, "pass_arg_as_tensor", False) and isinstance(val, torch.Tensor) and val.is_floating_point():
+            out.append(n.name)
+    return out
 
 
 def dsv41_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -166,7 +185,7 @@ def compile(model_or_fn: Any, config: PassConfig | None = None, **torch_compile_
         for t in (*args, *kwargs.values()):
             if isinstance(t, torch.Tensor) and t.dim() >= 1:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-        with torch.inference_mode():
+        with torch.inference_mode(), _specialized_floats():
             return fn(*args, **kwargs)
 
     if isinstance(model_or_fn, torch.nn.Module):
@@ -175,6 +194,13 @@ def compile(model_or_fn: Any, config: PassConfig | None = None, **torch_compile_
         functools.update_wrapper(run, model_or_fn)
     run._dsv41_compiled = compiled  # type: ignore[attr-defined]
     return run
+
+
+def _specialized_floats() -> Any:
+    """Python floats (eps, scales) traced as constants, also under ``dynamic=True``: the patterns need them so."""
+    import torch._dynamo.config as dcfg
+
+    return dcfg.patch(specialize_float=True) if hasattr(dcfg, "specialize_float") else nullcontext()
 
 
 def _pinned(backend: Callable[..., Any], bi: bool) -> Callable[..., Any]:

@@ -78,6 +78,7 @@ class PostGradPassManager(CustomGraphPass):
         self.follows_global = self.config.batch_invariant is None
         # the mode is fixed when the manager is built (compile time)
         self.batch_invariant = self.config.resolved_batch_invariant()
+        self.input_warnings: list[str] = []  # what the backend saw in the graph's inputs (not part of uuid)
 
     # ------------------------------------------------------------- identity
     def uuid(self) -> str:
@@ -148,6 +149,7 @@ class PostGradPassManager(CustomGraphPass):
                     source=site.source,
                 )
             )
+        report.warnings.extend(self.input_warnings)
         counts = report.sites
         for fam in cfg.families():
             kinds = FAMILY_KINDS.get(fam, ())

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import dispatch, register_provider, triton_available
+from .registry import dispatch, one_device, register_provider, triton_available
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -44,6 +44,7 @@ def bi_mm(a: torch.Tensor, b: torch.Tensor, providers: str, mode: int) -> torch.
 
 @bi_mm.register_fake
 def _bi_mm_fake(a, b, providers, mode):
+    one_device("bi_mm", a, b)
     return a.new_empty((a.shape[0], b.shape[1]))
 
 
@@ -55,6 +56,7 @@ def bi_bmm(a: torch.Tensor, b: torch.Tensor, providers: str, mode: int) -> torch
 
 @bi_bmm.register_fake
 def _bi_bmm_fake(a, b, providers, mode):
+    one_device("bi_bmm", a, b)
     return a.new_empty((a.shape[0], a.shape[1], b.shape[2]))
 
 

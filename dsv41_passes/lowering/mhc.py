@@ -13,7 +13,7 @@ import os
 import torch
 
 from ..reference import mhc as ref
-from .registry import dispatch, register_provider, triton_available
+from .registry import dispatch, one_device, register_provider, triton_available
 
 HC_MAX = 8
 
@@ -49,6 +49,7 @@ def mhc_post(
 
 @mhc_post.register_fake
 def _mhc_post_fake(y, res, post, comb, providers, mode):
+    one_device("mhc_post", y, res, post, comb)
     return res.new_empty(res.shape)
 
 
@@ -97,6 +98,7 @@ def mhc_stats(
 
 @mhc_stats.register_fake
 def _mhc_stats_fake(h, fn, scale, base, iters, hc_eps, norm_eps, providers, mode):
+    one_device("mhc_stats", h, fn, scale, base)
     return _stats_out(h)
 
 
@@ -152,6 +154,7 @@ def mhc_collapse(
 
 @mhc_collapse.register_fake
 def _mhc_collapse_fake(h, pre, weight, eps, providers, mode):
+    one_device("mhc_collapse", h, pre, weight)
     return h.new_empty((h.shape[0], h.shape[2]))
 
 
@@ -176,6 +179,7 @@ def mhc_pre(
 
 @mhc_pre.register_fake
 def _mhc_pre_fake(h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, providers, mode):
+    one_device("mhc_pre", h, pre_prev, fn, scale, base, weight)
     return (h.new_empty((h.shape[0], h.shape[2])), *_stats_out(h))
 
 
@@ -208,6 +212,7 @@ def mhc_boundary(
 def _mhc_boundary_fake(
     y, res, post, comb, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, providers, mode
 ):
+    one_device("mhc_boundary", y, res, post, comb, pre_prev, fn, scale, base, weight)
     return (res.new_empty(res.shape), res.new_empty((res.shape[0], res.shape[2])), *_stats_out(res))
 
 

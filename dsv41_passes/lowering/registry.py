@@ -102,6 +102,14 @@ def dispatch(op: str, priority: str, mode: int, *args: Any) -> Any:
     return p.fn(*args, batch_invariant=batch_invariant)
 
 
+def one_device(op: str, *tensors: torch.Tensor) -> None:
+    """For the fake impls: a call mixing ``meta`` with real tensors dispatches to the fake impl, which would
+    return an empty tensor (or skip a store) where the real op raises; raise as it does."""
+    devs = {t.device for t in tensors if isinstance(t, torch.Tensor)}
+    if len(devs) > 1:
+        raise ValueError(f"{op}: all inputs must be on one device, got {sorted(map(str, devs))}")
+
+
 def m_below(m, bound: int) -> bool:
     """``m < bound`` when that is known without a guard: a concrete M is compared; a symbolic one (the
     pass choosing a provider at compile time, for the report) gives False, so no supported() check

@@ -32,7 +32,7 @@ import torch
 from ..reference.model import rms_norm
 from ..reference.quant import fp8_block_qdq
 from ..reference.rope import apply_rotary_complex
-from .registry import dispatch, register_provider, triton_available
+from .registry import dispatch, one_device, register_provider, triton_available
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -122,6 +122,7 @@ def q_rope_store(
 
 @q_rope_store.register_fake
 def _q_rope_store_fake(q_buf, q, cos, sin, providers, op_mode):
+    one_device("q_rope_store", q_buf, q, cos, sin)
     return None
 
 
@@ -187,6 +188,7 @@ def kv_rope_quant_store(
 
 @kv_rope_quant_store.register_fake
 def _kv_rope_quant_store_fake(cache, kv, weight, eps, cos, sin, slots, block, providers, op_mode):
+    one_device("kv_rope_quant_store", cache, kv, weight, cos, sin, slots)
     return kv.new_empty(kv.shape)
 
 
@@ -220,6 +222,7 @@ def kv_rope_quant(
 
 @kv_rope_quant.register_fake
 def _kv_rope_quant_fake(kv, weight, eps, cos, sin, block, providers, op_mode):
+    one_device("kv_rope_quant", kv, weight, cos, sin)
     return kv.new_empty(kv.shape)
 
 

@@ -19,7 +19,7 @@ import math
 import torch
 
 from ..reference.rope import apply_rotary_real
-from .registry import dispatch, m_below, register_provider, tilelang_available, triton_available
+from .registry import dispatch, m_below, one_device, register_provider, tilelang_available, triton_available
 
 OP = "wo_a"
 
@@ -95,6 +95,7 @@ def wo_a(
 
 @wo_a.register_fake
 def _wo_a_fake(o, weight, cos, sin, rope_dim, providers, mode):
+    one_device("wo_a", o, weight, cos, sin)
     return o.new_empty((o.shape[0], weight.shape[0]))
 
 
