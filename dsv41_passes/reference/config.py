@@ -60,6 +60,7 @@ class DeepseekV41Config:
     topk_method: str = "noaux_tc"
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.5
+    gate_temp: float = 1.0  # V4.1: the gate's logits are divided by it (1.0 in DeepSeek's reference defaults)
     swiglu_limit: float = 10.0
     num_hash_layers: int = 0
     num_nextn_predict_layers: int = 3
@@ -69,7 +70,9 @@ class DeepseekV41Config:
     # --- ours ---
     tp_size: int = 1  # per-rank shapes: heads, o_groups, experts, vocab are split
     q_head_pad_multiple: int = 64  # Q buffer heads padded to a multiple of this (FlashMLA: 64/128)
-    mhc_shifted_pre: bool = True  # V4.1 shifted pre; False gives the V4 wiring
+    # V4.1 shifted pre; False: each sub-block collapses with its own pre (V4's mHC wiring only: the rest of
+    # the model, the final collapse included, stays V4.1's)
+    mhc_shifted_pre: bool = True
     initializer_range: float = 0.02
     extra: dict[str, Any] = field(default_factory=dict)  # unknown HF keys, kept verbatim
 
@@ -97,6 +100,7 @@ class DeepseekV41Config:
             f"compress_ratios has {len(self.compress_ratios)} entries for {self.num_hidden_layers} layers",
         )
         need(self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok > n_routed_experts")
+        need(self.gate_temp > 0, f"gate_temp must be > 0, got {self.gate_temp}")
         need(self.scoring_func == "sqrtsoftplus", f"scoring_func {self.scoring_func!r} not supported")
 
     # ------------------------------------------------------------- per rank

@@ -34,9 +34,13 @@ def _shard_map(path: Path) -> dict[str, Path]:
     elif path.is_dir():
         index = sorted(path.glob("*.safetensors.index.json"))
         if index:
-            with open(index[0], encoding="utf-8") as f:
-                wm = json.load(f)["weight_map"]
-            return {k: path / v for k, v in wm.items()}
+            try:
+                with open(index[0], encoding="utf-8") as f:
+                    wm = json.load(f)["weight_map"]
+                return {k: path / v for k, v in wm.items()}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise CheckpointError(f"{index[0]}: not a safetensors index with a weight_map ({type(e).__name__}: "
+                                      f"{e})") from None
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"no .safetensors files in {path}")
@@ -44,10 +48,20 @@ def _shard_map(path: Path) -> dict[str, Path]:
         raise CheckpointError(f"checkpoint path {path} does not exist")
     out: dict[str, Path] = {}
     for fp in files:
-        with safe_open(os.fspath(fp), framework="pt") as f:
+        with _open(fp) as f:
             for k in f.keys():
+                if k in out:
+                    raise CheckpointError(f"tensor {k} is in two files, {out[k]} and {fp}")
                 out[k] = fp
     return out
+
+
+def _open(fp: Path):
+    """``safe_open``, its errors (a truncated or damaged file) as :class:`CheckpointError`."""
+    try:
+        return safe_open(os.fspath(fp), framework="pt")
+    except Exception as e:  # safetensors raises its own SafetensorError (not exported on every version)
+        raise CheckpointError(f"{fp}: not a readable safetensors file ({type(e).__name__}: {e})") from None
 
 
 def _scale_name(weight_name: str) -> str:
@@ -56,11 +70,27 @@ def _scale_name(weight_name: str) -> str:
 
 _FP8_NAMES = {"F8_E4M3"}
 _PLAIN_NAMES = {"BF16", "F32", "F16"}
+_SCALE_NAMES = {"F32", "F8_E8M0"}
 
 
-def _check_before_copying(path: object, shards: dict[str, Path], params: dict[str, torch.Tensor]) -> None:
-    """Every shard file present, every tensor's dtype and shape right, every FP8 weight's scale there: all read from
-    the files' headers, and all problems named at once, before the model is touched."""
+def _header(fp: Path, names: list[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (dtype, shape) from a file's header; a name the file lacks is a :class:`CheckpointError`."""
+    out = {}
+    with _open(fp) as f:
+        keys = set(f.keys())
+        for name in names:
+            if name not in keys:
+                raise CheckpointError(f"{name}: the index puts it in {fp}, which does not hold it")
+            sl = f.get_slice(name)
+            out[name] = (sl.get_dtype(), tuple(sl.get_shape()))
+    return out
+
+
+def _check_before_copying(path: object, shards: dict[str, Path], params: dict[str, torch.Tensor],
+                          block: tuple[int, int]) -> None:
+    """Every shard file present, every tensor's dtype and shape right, every FP8 weight's scale there with its
+    dtype and block grid: all read from the files' headers, and all problems named at once, before the model is
+    touched."""
     problems: list[str] = []
     absent = sorted({os.fspath(fp) for fp in shards.values() if not fp.is_file()})
     if absent:
@@ -69,18 +99,34 @@ def _check_before_copying(path: object, shards: dict[str, Path], params: dict[st
     for name in sorted(params):
         if name in shards:
             by_file.setdefault(shards[name], []).append(name)
+    heads: dict[str, tuple[str, tuple[int, ...]]] = {}
     for fp, names in by_file.items():
-        with safe_open(os.fspath(fp), framework="pt") as f:
-            for name in names:
-                sl = f.get_slice(name)
-                dtype, shape = sl.get_dtype(), tuple(sl.get_shape())
-                want = tuple(params[name].shape)
-                if dtype not in _FP8_NAMES | _PLAIN_NAMES:
-                    problems.append(f"{name} has unsupported dtype {dtype}")
-                elif dtype in _FP8_NAMES and _scale_name(name) not in shards:
-                    problems.append(f"{name} is FP8 but its scale tensor {_scale_name(name)} is missing")
-                if shape != want:
-                    problems.append(f"{name} has shape {shape} in the checkpoint, the model expects {want}")
+        heads |= _header(fp, names)
+    scales = {}
+    for name, (dtype, _) in heads.items():
+        if dtype in _FP8_NAMES and _scale_name(name) in shards:
+            scales.setdefault(shards[_scale_name(name)], []).append(_scale_name(name))
+    for fp, names in scales.items():
+        heads |= _header(fp, names)
+    bn, bk = block
+    for name in sorted(n for names in by_file.values() for n in names):
+        dtype, shape = heads[name]
+        want = tuple(params[name].shape)
+        if dtype not in _FP8_NAMES | _PLAIN_NAMES:
+            problems.append(f"{name} has unsupported dtype {dtype}")
+        elif dtype in _FP8_NAMES:
+            sname = _scale_name(name)
+            if sname not in shards:
+                problems.append(f"{name} is FP8 but its scale tensor {sname} is missing")
+            elif len(want) == 2:
+                sdt, sshape = heads[sname]
+                grid = (-(-want[0] // bn), -(-want[1] // bk))
+                if sdt not in _SCALE_NAMES:
+                    problems.append(f"{sname} has dtype {sdt}, a scale must be F32 or F8_E8M0")
+                if sshape != grid:
+                    problems.append(f"{sname} has shape {sshape}, {name}'s {bn}x{bk} blocks need {grid}")
+        if shape != want:
+            problems.append(f"{name} has shape {shape} in the checkpoint, the model expects {want}")
     if problems:
         raise CheckpointError(f"checkpoint {path} does not match the model (nothing was loaded): "
                               + "; ".join(problems))
@@ -108,7 +154,7 @@ def load_checkpoint(
         problems.append(f"unexpected tensors: {', '.join(unexpected)}")
     if problems:
         raise CheckpointError(f"checkpoint {path} does not match the model; " + "; ".join(problems))
-    _check_before_copying(path, shards, params)
+    _check_before_copying(path, shards, params, block)
 
     handles: dict[Path, object] = {}
     try:
@@ -117,14 +163,14 @@ def load_checkpoint(
                 continue
             fp = shards[name]
             if fp not in handles:
-                handles[fp] = safe_open(os.fspath(fp), framework="pt").__enter__()
+                handles[fp] = _open(fp).__enter__()
             t = handles[fp].get_tensor(name)
             dst = params[name]
             if t.dtype in _FP8:  # (dtypes, shapes and the scale's presence were checked before the first copy)
                 sname = _scale_name(name)
                 sfp = shards[sname]
                 if sfp not in handles:
-                    handles[sfp] = safe_open(os.fspath(sfp), framework="pt").__enter__()
+                    handles[sfp] = _open(sfp).__enter__()
                 try:
                     t = dequant_fp8_weight(t, handles[sfp].get_tensor(sname), block)
                 except ValueError as e:

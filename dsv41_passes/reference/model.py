@@ -178,7 +178,7 @@ class Attention(nn.Module):
         o = self._window_attention(self.q_buffer[:m, :h], keys, meta.key_valid)
         # output: inverse RoPE, grouped low-rank WO-A, WO-B
         o[..., -rd:] = apply_rotary_complex(o[..., -rd:], freqs_cis, inverse=True)
-        og = o.view(m, self.n_groups, -1)
+        og = o.view(m, self.n_groups, h * d // self.n_groups)  # (not -1: M may be 0)
         wa = self.wo_a.weight.view(self.n_groups, self.o_rank, -1)
         z = torch.einsum("mgd,grd->mgr", og, wa)
         return self.wo_b(z.flatten(1))
@@ -197,22 +197,27 @@ class Attention(nn.Module):
 
 
 class Gate(nn.Module):
-    """sqrt(softplus) scores, top-k on score + bias (noaux_tc), normalised, routed scaling."""
+    """sqrt(softplus) scores of the logits / ``gate_temp``, top-k on score + bias (noaux_tc), normalised (top-k > 1),
+    routed scaling."""
 
     def __init__(self, config: DeepseekV41Config) -> None:
         super().__init__()
         self.topk = config.num_experts_per_tok
         self.route_scale = config.routed_scaling_factor
         self.norm_topk = config.norm_topk_prob
+        self.temp = config.gate_temp
         self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size, dtype=torch.bfloat16))
         self.bias = nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()
+        logits = F.linear(x.float(), self.weight.float())
+        if self.temp != 1.0:  # (the graph at the default temperature is the one without it)
+            logits = logits / self.temp
+        scores = F.softplus(logits).sqrt()
         idx = (scores + self.bias).topk(self.topk, dim=-1).indices
         w = scores.gather(1, idx)
-        if self.norm_topk:
-            w = w / w.sum(-1, keepdim=True)
+        if self.norm_topk and self.topk > 1:  # DeepSeek's reference: a single expert keeps its raw score
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
         return w * self.route_scale, idx
 
 

@@ -115,3 +115,46 @@ def test_every_problem_named_before_anything_is_loaded(tmp_path, tiny):
     (shard / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="shard files that do not exist"):
         load_checkpoint(dst, shard)
+
+
+def test_scale_problems_and_damaged_files_before_anything_is_loaded(tmp_path, tiny):
+    """An FP8 weight's scale of the wrong grid or dtype, an index without a weight_map, a tensor the index puts in a
+    file that lacks it, a truncated file and a tensor in two files: each a CheckpointError, the model untouched."""
+    src = DeepseekV41ForCausalLM(tiny, max_num_tokens=64, seed=1)
+    dst = DeepseekV41ForCausalLM(tiny, max_num_tokens=64, seed=2)
+    before = _state(dst)
+    fp8 = "layers.1.attn.wq_a.weight"  # late in name order: the tensors before it used to be copied first
+    q, scale = quantize_fp8_block(_state(src)[fp8])
+    for bad, why in ((scale[:1, :1], r"shape \(1, 1\).*32x32 blocks need"),
+                     (scale.to(torch.int32), "dtype I32, a scale must be F32 or F8_E8M0")):
+        sd = _state(src)
+        sd[fp8], sd[fp8[: -len("weight")] + "scale"] = q, bad
+        save_file(sd, tmp_path / "fp8.safetensors")
+        with pytest.raises(CheckpointError, match=why):
+            load_checkpoint(dst, tmp_path / "fp8.safetensors")
+        assert all(torch.equal(v, before[k]) for k, v in _state(dst).items())
+
+    sd = _state(src)
+    names = sorted(sd)
+    d = tmp_path / "noindex"
+    d.mkdir()
+    save_file({k: sd[k] for k in names[:3]}, d / "a.safetensors")
+    save_file({k: sd[k] for k in names[2:]}, d / "b.safetensors")
+    with pytest.raises(CheckpointError, match=f"{names[2]} is in two files"):
+        load_checkpoint(dst, d)
+    (d / "b.safetensors").write_bytes((d / "b.safetensors").read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        load_checkpoint(dst, d)
+
+    d = tmp_path / "index"
+    d.mkdir()
+    save_file({k: sd[k] for k in names[:3]}, d / "a.safetensors")
+    save_file({k: sd[k] for k in names[3:]}, d / "b.safetensors")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(CheckpointError, match="with a weight_map"):
+        load_checkpoint(dst, d)
+    (d / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: "a.safetensors" for k in names}}))
+    with pytest.raises(CheckpointError, match=f"{names[3]}: the index puts it in .*a.safetensors"):
+        load_checkpoint(dst, d)
+    assert all(torch.equal(v, before[k]) for k, v in _state(dst).items())

@@ -101,3 +101,40 @@ def test_fullgraph_compile_dynamic_tokens():
             assert (out != ref).any(-1).float().mean().item() <= 0.1, "more than a tenth of the tokens differ"
             torch.testing.assert_close(out, ref, rtol=0, atol=2.0**-8 * ref.abs().max().item())
     assert counters["stats"]["unique_graphs"] == 1  # no graph break, no recompile
+
+
+@torch.inference_mode()
+def test_empty_batch(model):
+    e = torch.zeros(0, dtype=torch.long)
+    model.reset_cache()
+    assert model(e, e, torch.tensor([0])).shape == (0, 256)
+
+
+def test_gate_temperature_and_single_expert():
+    from dsv41_passes.reference.model import Gate
+
+    torch.manual_seed(0)
+    x = torch.randn(7, 64).bfloat16()
+
+    def gate(**kw):
+        g = Gate(DeepseekV41Config.tiny(**kw))
+        torch.nn.init.normal_(g.weight, std=0.5)
+        return g
+
+    g1, g2 = gate(), gate(gate_temp=0.25)
+    g2.load_state_dict(g1.state_dict())
+    w1, i1 = g1(x)
+    w2, i2 = g2(x)
+    logits = torch.nn.functional.linear(x.float(), g1.weight.float())
+    s2 = torch.nn.functional.softplus(logits / 0.25).sqrt()
+    torch.testing.assert_close(i2, (s2 + g2.bias).topk(g2.topk, dim=-1).indices)
+    torch.testing.assert_close(w2, s2.gather(1, i2) / s2.gather(1, i2).sum(-1, keepdim=True) * g2.route_scale)
+    assert not torch.equal(w1, w2)
+    # one expert a token: its raw score, scaled (DeepSeek's reference normalises only for top-k > 1)
+    g3 = gate(num_experts_per_tok=1)
+    g3.load_state_dict(g1.state_dict())
+    w3, i3 = g3(x)
+    s1 = torch.nn.functional.softplus(logits).sqrt()
+    torch.testing.assert_close(w3, s1.gather(1, i3) * g3.route_scale)
+    with pytest.raises(ValueError, match="gate_temp"):
+        DeepseekV41Config.tiny(gate_temp=0.0)
