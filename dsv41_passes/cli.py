@@ -119,6 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.layers <= most:
         p.error(f"--layers: the tiny model has 1 to {most} layers, got {args.layers}")
     if args.cmd == "inspect":
+        if args.dump:
+            try:
+                os.makedirs(args.dump, exist_ok=True)
+            except OSError as e:
+                p.error(f"--dump: cannot make directory {args.dump} ({e.strerror or e})")
+            if not os.access(args.dump, os.W_OK):
+                p.error(f"--dump: directory {args.dump} is not writable")
         args.providers = ",".join(n.strip() for n in args.providers.split(","))
         try:
             from .config import PassConfig

@@ -160,7 +160,12 @@ class PostGradPassManager(CustomGraphPass):
                 report.warnings.append(msg)
                 log.warning("dsv41: %s", msg)
         if cfg.dump_dir:
-            _dump(cfg.dump_dir, report)
+            try:
+                _dump(cfg.dump_dir, report)
+            except OSError as e:  # the dump is a by-product: the compile goes on without it
+                msg = f"dump_dir {cfg.dump_dir}: nothing written ({type(e).__name__}: {e})"
+                report.warnings.append(msg)
+                log.warning("dsv41: %s", msg)
         publish(report)
 
 

@@ -113,9 +113,13 @@ def save_tactics(path: str | os.PathLike[str]) -> int:
         return 0
     data = {"meta": metadata(), "entries": entries()}
     tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    finally:  # (a path that is a directory: nothing left behind)
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return len(data["entries"])
 
 
@@ -213,6 +217,11 @@ def warmup(
     pc = pass_config or PassConfig()
     bi = pc.resolved_batch_invariant()
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from .lowering.registry import triton_available
+
+    why = triton_available(torch.empty(0, device=dev))
+    if why:
+        raise RuntimeError(f"dsv41 warm-up builds the Triton kernels: {why}")
     tunables = tunables_for(cfg, dev)
     todo = [(b, t) for b in buckets(bucket(max_tokens)) for t in tunables]  # up to the bucket max_tokens falls in
     chosen: dict[str, dict[int, dict[str, Any]]] = {}

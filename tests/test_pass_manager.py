@@ -143,3 +143,22 @@ def test_dump_dir_writes_graphs_patterns_and_report(tmp_path, monkeypatch):
     assert "mhc_post.broadcast_sum" in text and "CallFunction(aten.sum.dim_IntList" in text
     rep = json.loads(next(tmp_path.glob("*.report.json")).read_text())
     assert [r["kind"] for r in rep["rows"]] == ["mhc_post"]
+
+
+def test_dump_dir_that_cannot_be_written_is_a_report_warning(tmp_path):
+    """dump_dir naming a file: the compile goes on (it raised from inside Inductor) and the report says why."""
+    target = tmp_path / "a_file"
+    target.write_text("")
+
+    def block(y, res, post, comb):
+        return (torch.einsum("mjk,mjd->mkd", comb, res.float()) + post.unsqueeze(-1) * y.unsqueeze(1)).to(
+            torch.bfloat16
+        )
+
+    args = (torch.randn(5, 16).bfloat16(), torch.randn(5, 4, 16).bfloat16(), torch.rand(5, 4), torch.rand(5, 4, 4))
+    torch._dynamo.reset()
+    out = dp.compile(block, dp.PassConfig(dump_dir=str(target)))(*args)
+    torch.testing.assert_close(out, block(*args), rtol=0, atol=0)
+    rep = dp.last_report()
+    assert rep.sites == {"mhc_post": 1}
+    assert any(f"dump_dir {target}: nothing written" in w for w in rep.warnings)

@@ -194,3 +194,24 @@ def test_warmup_without_tactics_compiles_what_untuned_calls_run(monkeypatch):
         assert mhc[op].untuned(1) == tm.untuned_config(op, 1, 1024, False) != tm.default_config(op), op
     assert any(cfg != tk.BATCH_INVARIANT_CONFIG for cfg in chosen["wo_a"].values())
     assert tuning.entries() == {}
+
+
+def test_warmup_without_a_triton_device_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="warm-up builds the Triton kernels: cpu tensors need CUDA or TRITON_INTER"):
+        dp.warmup(_tiny(), max_tokens=2, device="cpu", progress=False)
+
+
+def _tiny():
+    from dsv41_passes.reference import DeepseekV41Config
+
+    return DeepseekV41Config.tiny()
+
+
+def test_save_to_a_directory_leaves_nothing_behind(tmp_path):
+    tuning.record("op", 4, KEY, DEFAULT)
+    target = tmp_path / "tactics"
+    target.mkdir()
+    with pytest.raises(OSError):
+        dp.save_tactics(target)
+    assert [p.name for p in tmp_path.iterdir()] == ["tactics"]  # (the temporary file was left beside it)

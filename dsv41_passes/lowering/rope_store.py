@@ -130,7 +130,8 @@ def rope_tail_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     """``x`` with its last ``2 * cos.shape[-1]`` dims rotated (DeepSeek's complex spelling, one rounding)."""
     rd = 2 * cos.shape[-1]
     y = x.clone()
-    y[..., x.shape[-1] - rd:] = apply_rotary_complex(x[..., x.shape[-1] - rd:], torch.complex(cos, sin))
+    # (contiguous: view_as_complex needs a unit stride in the last dim, which a transposed q lacks)
+    y[..., x.shape[-1] - rd:] = apply_rotary_complex(x[..., x.shape[-1] - rd:].contiguous(), torch.complex(cos, sin))
     return y
 
 

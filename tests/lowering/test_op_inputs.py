@@ -32,3 +32,14 @@ def test_meta_beside_cpu_raises(op):
         args, _ = _args(op, i)
         with pytest.raises(ValueError, match="one device"):
             getattr(torch.ops.dsv41, op)(*args)
+
+
+def test_q_store_reference_takes_a_q_whose_head_dim_is_strided():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 64, 4, generator=g).bfloat16().transpose(1, 2)  # [5, 4, 64], head_dim stride 4
+    ang = torch.rand(5, 8, generator=g)
+    cos, sin = ang.cos(), ang.sin()
+    bufs = [torch.zeros(8, 8, 64, dtype=torch.bfloat16) for _ in range(2)]
+    torch.ops.dsv41.q_rope_store(bufs[0], q, cos, sin, "reference", 0)
+    torch.ops.dsv41.q_rope_store(bufs[1], q.contiguous(), cos, sin, "reference", 0)
+    assert torch.equal(bufs[0], bufs[1]) and bufs[0][:5, :4].abs().sum() > 0
