@@ -4,7 +4,11 @@ Accepts one ``.safetensors`` file, or a directory holding either a
 ``*.safetensors.index.json`` (``weight_map`` -> shard file) or plain
 ``*.safetensors`` files. Tensor names are the model's parameter names.
 FP8 (e4m3) weights carry a ``<module>.scale`` tensor (fp32 or e8m0) with one
-scale per ``weight_block_size`` block and are dequantized to bf16 on load.
+scale per ``weight_block_size`` block and are dequantized to bf16 on load; MXFP4
+weights (int8 ``[N, K/2]``, two e2m1 codes a byte, V4.1's routed experts) carry one
+with a scale per row and 32 columns. ``ignore`` names prefixes of checkpoint
+tensors the model has no place for (V4.1's compressor, indexer, Engram, MTP
+layers...): skipped, while a missing model tensor stays an error.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from .quant import dequant_fp8_weight
+from .quant import MXFP4_BLOCK, dequant_fp8_weight, dequant_mxfp4_weight
 
 _FP8 = (torch.float8_e4m3fn,)
 
@@ -69,6 +73,7 @@ def _scale_name(weight_name: str) -> str:
 
 
 _FP8_NAMES = {"F8_E4M3"}
+_FP4_NAMES = {"I8", "U8"}  # MXFP4: e2m1 pairs packed in bytes
 _PLAIN_NAMES = {"BF16", "F32", "F16"}
 _SCALE_NAMES = {"F32", "F8_E8M0"}
 
@@ -104,7 +109,7 @@ def _check_before_copying(path: object, shards: dict[str, Path], params: dict[st
         heads |= _header(fp, names)
     scales = {}
     for name, (dtype, _) in heads.items():
-        if dtype in _FP8_NAMES and _scale_name(name) in shards:
+        if dtype in _FP8_NAMES | _FP4_NAMES and _scale_name(name) in shards:
             scales.setdefault(shards[_scale_name(name)], []).append(_scale_name(name))
     for fp, names in scales.items():
         heads |= _header(fp, names)
@@ -112,21 +117,28 @@ def _check_before_copying(path: object, shards: dict[str, Path], params: dict[st
     for name in sorted(n for names in by_file.values() for n in names):
         dtype, shape = heads[name]
         want = tuple(params[name].shape)
-        if dtype not in _FP8_NAMES | _PLAIN_NAMES:
+        fp4 = dtype in _FP4_NAMES
+        if dtype not in _FP8_NAMES | _FP4_NAMES | _PLAIN_NAMES:
             problems.append(f"{name} has unsupported dtype {dtype}")
-        elif dtype in _FP8_NAMES:
-            sname = _scale_name(name)
+        elif fp4 and (len(want) != 2 or want[1] % MXFP4_BLOCK):
+            problems.append(f"{name} is {dtype} (MXFP4) but the model's {want} is not [N, K] with K a multiple of "
+                            f"{MXFP4_BLOCK}")
+        elif dtype not in _PLAIN_NAMES:
+            sname, kind = _scale_name(name), "MXFP4" if fp4 else "FP8"
             if sname not in shards:
-                problems.append(f"{name} is FP8 but its scale tensor {sname} is missing")
+                problems.append(f"{name} is {kind} but its scale tensor {sname} is missing")
             elif len(want) == 2:
                 sdt, sshape = heads[sname]
-                grid = (-(-want[0] // bn), -(-want[1] // bk))
+                grid = (want[0], want[1] // MXFP4_BLOCK) if fp4 else (-(-want[0] // bn), -(-want[1] // bk))
                 if sdt not in _SCALE_NAMES:
                     problems.append(f"{sname} has dtype {sdt}, a scale must be F32 or F8_E8M0")
                 if sshape != grid:
-                    problems.append(f"{sname} has shape {sshape}, {name}'s {bn}x{bk} blocks need {grid}")
-        if shape != want:
-            problems.append(f"{name} has shape {shape} in the checkpoint, the model expects {want}")
+                    blocks = f"1x{MXFP4_BLOCK}" if fp4 else f"{bn}x{bk}"
+                    problems.append(f"{sname} has shape {sshape}, {name}'s {blocks} blocks need {grid}")
+        packed = (want[0], want[1] // 2) if fp4 and len(want) == 2 else want
+        if shape != packed:
+            problems.append(f"{name} has shape {shape} in the checkpoint, the model expects {packed}"
+                            + (f" (MXFP4 of {want})" if fp4 else ""))
     if problems:
         raise CheckpointError(f"checkpoint {path} does not match the model (nothing was loaded): "
                               + "; ".join(problems))
@@ -134,15 +146,19 @@ def _check_before_copying(path: object, shards: dict[str, Path], params: dict[st
 
 @torch.no_grad()
 def load_checkpoint(
-    model: nn.Module, path: str | os.PathLike[str], strict: bool = True, progress: bool = False
+    model: nn.Module, path: str | os.PathLike[str], strict: bool = True, progress: bool = False,
+    ignore: tuple[str, ...] = (),
 ) -> None:
     """Copy a checkpoint into ``model`` in place.
 
     Raises :class:`CheckpointError` naming every missing, unexpected or
-    mis-shaped tensor (``strict=False`` tolerates missing and unexpected names).
+    mis-shaped tensor (``strict=False`` tolerates missing and unexpected names;
+    ``ignore``: prefixes of checkpoint tensors to skip, missing ones still count).
     """
     block = tuple(getattr(getattr(model, "config", None), "weight_block_size", (128, 128)))
-    shards = _shard_map(Path(path))
+    if isinstance(ignore, str):
+        raise TypeError("ignore takes a tuple of name prefixes, not one string")
+    shards = {k: v for k, v in _shard_map(Path(path)).items() if not k.startswith(tuple(ignore))}
     params = dict(model.state_dict(keep_vars=True))
     scale_names = {_scale_name(k) for k in params if k.endswith("weight")}
     missing = sorted(k for k in params if k not in shards)
@@ -166,13 +182,14 @@ def load_checkpoint(
                 handles[fp] = _open(fp).__enter__()
             t = handles[fp].get_tensor(name)
             dst = params[name]
-            if t.dtype in _FP8:  # (dtypes, shapes and the scale's presence were checked before the first copy)
+            if t.dtype in (*_FP8, torch.int8, torch.uint8):  # (dtypes, shapes and scales were checked before)
                 sname = _scale_name(name)
                 sfp = shards[sname]
                 if sfp not in handles:
                     handles[sfp] = _open(sfp).__enter__()
+                sc = handles[sfp].get_tensor(sname)
                 try:
-                    t = dequant_fp8_weight(t, handles[sfp].get_tensor(sname), block)
+                    t = dequant_fp8_weight(t, sc, block) if t.dtype in _FP8 else dequant_mxfp4_weight(t, sc)
                 except ValueError as e:
                     raise CheckpointError(f"{sname}: {e}") from None
             dst.copy_(t.to(dst.dtype))

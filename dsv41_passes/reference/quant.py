@@ -1,4 +1,4 @@
-"""FP8 (e4m3) quantize-dequantize with UE8M0 per-block scales, and FP8 weight dequantization.
+"""FP8 (e4m3) quantize-dequantize with UE8M0 per-block scales, and FP8 and MXFP4 weight dequantization.
 
 The activation rule of DeepSeek's ``act_quant(..., inplace=True)``: per block of
 ``block`` elements along the last dim, ``amax = max(|x|, 1e-4)``, the scale is the
@@ -40,3 +40,24 @@ def dequant_fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[i
         raise ValueError(f"scale shape {tuple(scale.shape)} does not match weight {n}x{k} in blocks {bn}x{bk}")
     s = scale.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
     return (weight.float() * s).to(torch.bfloat16)
+
+
+# e2m1 code -> value: sign bit 3, then the 8 magnitudes of 2 exponent bits and 1 mantissa bit
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_BLOCK = 32
+
+
+def dequant_mxfp4_weight(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Dequantize an MXFP4 weight (the V4.1 checkpoints' routed experts): ``packed`` int8/uint8 ``[N, K/2]``, two e2m1
+    codes a byte, element ``2i`` in the low nibble and ``2i + 1`` in the high one; ``scale`` ``[N, K/32]`` (e8m0 or
+    fp32), one a row per 32 columns (the layout DeepSeek's ``inference/convert.py`` unpacks in
+    ``cast_e2m1fn_to_e4m3fn``). A code times a power-of-two scale is exact in bf16 (within its range)."""
+    n, half = packed.shape
+    k = 2 * half
+    if k % MXFP4_BLOCK or tuple(scale.shape) != (n, k // MXFP4_BLOCK):
+        raise ValueError(f"scale shape {tuple(scale.shape)} does not match an MXFP4 weight {n}x{k} "
+                         f"(packed {n}x{half}) in blocks of {MXFP4_BLOCK}")
+    b = packed.view(torch.uint8).long()
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    w = torch.stack([table[b & 0xF], table[b >> 4]], dim=-1).reshape(n, k)
+    return (w * scale.float().repeat_interleave(MXFP4_BLOCK, 1)).to(torch.bfloat16)

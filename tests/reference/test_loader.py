@@ -158,3 +158,40 @@ def test_scale_problems_and_damaged_files_before_anything_is_loaded(tmp_path, ti
     with pytest.raises(CheckpointError, match=f"{names[3]}: the index puts it in .*a.safetensors"):
         load_checkpoint(dst, d)
     assert all(torch.equal(v, before[k]) for k, v in _state(dst).items())
+
+
+def _e2m1(code: torch.Tensor) -> torch.Tensor:
+    """The OCP e2m1 value of each 4-bit code, from its bits (sign, 2 exponent, 1 mantissa)."""
+    sign = 1 - 2 * (code >> 3).float()
+    e, m = ((code >> 1) & 3).float(), (code & 1).float()
+    return sign * torch.where(e == 0, m * 0.5, torch.exp2(e - 1) * (1 + m / 2))
+
+
+def test_mxfp4_expert_weight_and_ignored_prefixes(tmp_path, tiny):
+    """A routed expert's weight as V4.1 stores it (int8 [N, K/2], low nibble first, e8m0 scale [N, K/32]) loads
+    exactly; tensors the model has no place for are an error unless their prefix is ignored."""
+    src = DeepseekV41ForCausalLM(tiny, max_num_tokens=64, seed=1)
+    sd = _state(src)
+    name = "layers.1.ffn.experts.0.w1.weight"
+    n, k = sd[name].shape
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    exps = torch.randint(-8, 3, (n, k // 32), generator=g).float()
+    want = (_e2m1(codes) * torch.exp2(exps).repeat_interleave(32, 1)).to(torch.bfloat16)
+    sd[name] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    sd[name[: -len("weight")] + "scale"] = torch.exp2(exps).to(torch.float8_e8m0fnu)
+    sd["mtp.0.emb.weight"] = torch.zeros(2, 2)
+    save_file(sd, tmp_path / "fp4.safetensors")
+    dst = DeepseekV41ForCausalLM(tiny, max_num_tokens=64, seed=2)
+    with pytest.raises(CheckpointError, match=r"unexpected tensors: mtp\.0\.emb\.weight"):
+        load_checkpoint(dst, tmp_path / "fp4.safetensors")
+    with pytest.raises(TypeError, match="tuple of name prefixes"):
+        load_checkpoint(dst, tmp_path / "fp4.safetensors", ignore="mtp.")
+    load_checkpoint(dst, tmp_path / "fp4.safetensors", ignore=("mtp.",))
+    assert torch.equal(dst.get_parameter(name), want)
+    assert torch.equal(dst.get_parameter("embed.weight"), src.get_parameter("embed.weight"))
+
+    sd[name[: -len("weight")] + "scale"] = torch.exp2(exps[:, :1]).to(torch.float8_e8m0fnu)
+    save_file(sd, tmp_path / "bad.safetensors")
+    with pytest.raises(CheckpointError, match=r"experts\.0\.w1\.scale has shape .*1x32 blocks need"):
+        load_checkpoint(dst, tmp_path / "bad.safetensors", ignore=("mtp.",))
