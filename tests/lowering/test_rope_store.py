@@ -26,7 +26,7 @@ from helpers import rope_case_tables as _tables
 
 BF16 = torch.bfloat16
 ops = torch.ops.dsv41
-PROVIDERS = {"reference": "reference", "triton": "triton,reference"}
+PROVIDERS = {"reference": "reference", "triton": "triton"}  # "triton" alone: a declining kernel raises, no fallback
 
 
 def _q_case(m, h, d, rd, hpad, rows, seed=0, strided=True):
@@ -228,7 +228,7 @@ def test_kv_slot_semantics():
     with pytest.raises(IndexError):
         ops.kv_rope_quant_store(cache.clone(), kv, weight, 1e-6, cos, sin, bad, 32, "reference", 0)
     c = cache.clone()
-    out = ops.kv_rope_quant_store(c, kv, weight, 1e-6, cos, sin, bad, 32, "triton,reference", 0)
+    out = ops.kv_rope_quant_store(c, kv, weight, 1e-6, cos, sin, bad, 32, "triton", 0)
     assert torch.equal(c[[1, 2, 3]], out[[0, 2, 3]]) and (c[[0, 4, 5, 6, 7, 8, 9]] == POISON).all()
 
 
@@ -278,13 +278,13 @@ def test_opcheck():
 def test_rows_do_not_depend_on_the_batch():
     """Batch-invariant mode: a token's bits are the same alone and among 36 others."""
     buf, q, cos, sin, _ = _q_case(37, 3, 64, 16, 8, 40)
-    ops.q_rope_store(buf, q, cos, sin, "triton,reference", 1)
+    ops.q_rope_store(buf, q, cos, sin, "triton", 1)
     one = buf.clone()
-    ops.q_rope_store(one, q[20:21], cos[20:21], sin[20:21], "triton,reference", 1)
+    ops.q_rope_store(one, q[20:21], cos[20:21], sin[20:21], "triton", 1)
     assert torch.equal(one[0], buf[20])
     cache, kv, weight, kcos, ksin, slots = _kv_case(37, 64, 16, 80)
-    out = ops.kv_rope_quant(kv, weight, 1e-6, kcos, ksin, 32, "triton,reference", 1)
-    alone = ops.kv_rope_quant(kv[20:21], weight, 1e-6, kcos[20:21], ksin[20:21], 32, "triton,reference", 1)
+    out = ops.kv_rope_quant(kv, weight, 1e-6, kcos, ksin, 32, "triton", 1)
+    alone = ops.kv_rope_quant(kv[20:21], weight, 1e-6, kcos[20:21], ksin[20:21], 32, "triton", 1)
     assert torch.equal(alone[0], out[20])
 
 
@@ -293,21 +293,21 @@ def test_launch_configs_agree():
     config, under the interpreter; at D 96 both KV kernels fit."""
     buf, q, cos, sin, _ = _q_case(9, 5, 64, 16, 8, 12, strided=False)
     base_q = buf.clone()
-    ops.q_rope_store(base_q, q, cos, sin, "triton,reference", 0)
+    ops.q_rope_store(base_q, q, cos, sin, "triton", 0)
     try:
         for qc in tk.CANDIDATES["q_rope_store"][::17]:
             tuning.record("q_rope_store", tuning.bucket(9), dict(h=5, d=64, rd=16), qc)
             b = buf.clone()
-            ops.q_rope_store(b, q, cos, sin, "triton,reference", 0)
+            ops.q_rope_store(b, q, cos, sin, "triton", 0)
             assert torch.equal(b, base_q), qc
         for d, rd in ((64, 16), (96, 32)):
             cache, kv, weight, kcos, ksin, slots = _kv_case(9, d, rd, 20)
-            base_kv = ops.kv_rope_quant(kv, weight, 1e-6, kcos, ksin, 32, "triton,reference", 0)
+            base_kv = ops.kv_rope_quant(kv, weight, 1e-6, kcos, ksin, 32, "triton", 0)
             fits = [c for c in tkv.CANDIDATES["kv_rope_quant"] if not c.get("blocks") or tkv.kv_blocks_ok(d, rd, 32)]
             assert any(c.get("blocks") for c in fits) == (d == 96)
             for kc in fits[::4]:
                 tuning.record("kv_rope_quant", tuning.bucket(9), dict(d=d, rd=rd, block=32), kc)
-                out = ops.kv_rope_quant(kv, weight, 1e-6, kcos, ksin, 32, "triton,reference", 0)
+                out = ops.kv_rope_quant(kv, weight, 1e-6, kcos, ksin, 32, "triton", 0)
                 assert torch.equal(out, base_kv), (d, kc)
     finally:
         tuning.clear()
