@@ -232,12 +232,16 @@ def test_tiny_model_runs_the_triton_mhc_kernels():
     fast = dp.compile(model, dp.PassConfig(providers=("triton", "reference"), rope_store=False, wo_a=False),
                       options=EMULATE)
     model.reset_cache()
+    before = mhc_weights.cache_info()["builds"]
     with torch.inference_mode():
         logits = fast(*args)
-    sites = dp.last_report().sites
-    assert any(k.startswith("mhc") for k in sites), sites
+    rep = dp.last_report()
+    # 2 layers: stats and post per sub-block, a collapse per sub-block plus the final norm's
+    assert rep.sites == {"mhc_stats": 4, "mhc_collapse": 5, "mhc_post": 4}, rep.to_markdown()
+    assert all(r.provider == "triton" for r in rep.rows), rep.to_markdown()  # no site fell back to the reference
     torch.testing.assert_close(logits.float(), ref_logits.float(), rtol=0, atol=1e-3 * ref_logits.abs().max().item())
     builds = mhc_weights.cache_info()["builds"]
+    assert builds - before == rep.sites["mhc_stats"]  # the kernels built one parts tensor per stats weight
     model.reset_cache()
     with torch.inference_mode():
         again = fast(*args)
