@@ -33,7 +33,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("providers", ["reference", "triton,reference"])
+@pytest.mark.parametrize("providers", ["reference", "triton"])  # "triton" alone: no fallback to the reference
 @pytest.mark.parametrize("op", sorted(CASES))
 def test_opcheck(op, providers):
     args = CASES[op](_mhc_args())
@@ -45,7 +45,7 @@ def test_collapse_without_norm_weight():
     torch.library.opcheck(torch.ops.dsv41.mhc_collapse.default, (a["h"], a["pre"], None, 0.0, "reference", 0))
 
 
-@pytest.mark.parametrize("providers", ["reference", "triton,reference"])
+@pytest.mark.parametrize("providers", ["reference", "triton"])  # "triton" alone: no fallback to the reference
 def test_batch_invariant_matmuls_give_a_row_the_same_bits_at_any_m(providers):
     g = torch.Generator().manual_seed(3)
     w = torch.randn(48, 40, generator=g).to(BF16)
