@@ -1,10 +1,11 @@
 """The tiny model compiled with every family on: each layer's attention tail becomes one dsv41::wo_a."""
 
+import os
+
 import pytest
 import torch
 
 import dsv41_passes as dp
-from dsv41_passes.lowering.registry import triton_available
 from helpers import EMULATE, eager, packed, tiny_model
 
 VIEW_OPS = {"reshape.default", "view.default", "_unsafe_view.default", "select.int", "view_as_real.default",
@@ -38,7 +39,7 @@ def test_tiny_model_fuses_every_wo_a_site():
 
     assert rep.sites.get("wo_a") == n_layers, rep.to_markdown()
     assert not [r for r in rep.skipped if r.kind == "wo_a"], rep.to_markdown()
-    cpu_kernel = "triton" if triton_available(torch.empty(0)) is None else "reference"  # interpreter on CPU hosts
+    cpu_kernel = "triton" if os.environ.get("TRITON_INTERPRET") == "1" else "reference"  # interpreter on CPU hosts
     assert {r.provider for r in rep.rows if r.kind == "wo_a"} == {cpu_kernel}, rep.to_markdown()
 
     g = rep.networkx()
