@@ -26,7 +26,10 @@ def compiled():
 
 def test_tiny_model_sites_and_logits(compiled):
     model, fast, rep, out, ref = compiled
-    assert rep.sites.get("mhc_post") == 2 * L
+    # mHC: stats and post per sub-block (attention, FFN), a collapse per sub-block plus the final norm's;
+    # one wo_a, Q store and KV store per layer
+    assert rep.sites == {"mhc_stats": 2 * L, "mhc_collapse": 2 * L + 1, "mhc_post": 2 * L, "wo_a": L,
+                         "q_rope_store": L, "kv_rope_store": L}, rep.to_markdown()
     posts = [r for r in rep.rows if r.kind == "mhc_post"]
     assert sorted(r.layer for r in posts) == [0, 0, 1, 1]
     assert all(r.status == "rewritten" and r.provider for r in posts)
@@ -67,7 +70,9 @@ def test_mhc_off_equals_plain_compile():
     model.reset_cache()
     out = fast(ids, pos, cu)
     rep = dp.last_report()
-    assert rep.sites.get("mhc_post", 0) == 0 and "dsv41.mhc_post" not in rep.after
+    assert not [r for r in rep.rows if r.kind.startswith("mhc")], rep.to_markdown()
+    assert "dsv41.mhc" not in rep.after  # no mHC fused op of any kind
+    assert rep.sites == {"wo_a": L, "q_rope_store": L, "kv_rope_store": L}, rep.to_markdown()
     torch._dynamo.reset()
     plain = torch.compile(model, options=EMULATE)
     model.reset_cache()
