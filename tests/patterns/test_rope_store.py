@@ -128,6 +128,9 @@ def test_kv_spellings_are_rewritten(name):
         slots = _kv_args()[-1]
         rows = slots if store == "index_put" else torch.arange(3, 3 + out.shape[0])
         assert torch.equal(cache[rows], out)
+        others = torch.ones(SLOTS, dtype=torch.bool)
+        others[rows] = False
+        assert torch.equal(cache[others], ref_cache[others])  # no other row written
 
 
 def test_index_copy_traces_like_index_put():
