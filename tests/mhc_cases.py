@@ -10,7 +10,9 @@ from dsv41_passes.lowering.triton import mhc as tk
 from dsv41_passes.reference import mhc as ref
 
 BF16 = torch.bfloat16
-ITERS, HC_EPS, NORM_EPS, EPS = 20, 1e-6, 1e-6, 1e-6
+# the three eps apart (sinkhorn/pre, the stats' RMS, the collapse's norm): an op that passes one for another changes
+# its results past the tests' bounds
+ITERS, HC_EPS, NORM_EPS, EPS = 20, 1e-3, 1e-2, 1e-4
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 D = 256 if DEV == "cuda" else 64  # small hidden: tensor-core chunks need hidden/16 % 16 == 0 on a GPU
 FLASH_D = 5120

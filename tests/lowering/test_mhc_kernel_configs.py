@@ -93,7 +93,7 @@ def test_k_slices_split_in_two(finish, rows):
     bitwise (pre = collapse + stats, boundary = post then pre), both finishes agree, rows do not depend on M.
     ``rows=16``: the decode configs' 16-row blocks on 4 warps (``SMALL_ROWS``)."""
     d = 1024
-    t = make_inputs(64, d, seed=2)  # an input where the split's norm sums round one x element differently
+    t = make_inputs(64, d, seed=1)  # an input where the split's norm sums round one x element differently
     cfg = {op: dict(tk.default_config(op), split=2) for op in ("mhc_stats", "mhc_pre", "mhc_boundary", "mhc_collapse")}
     for op in ("mhc_stats", "mhc_pre", "mhc_boundary"):
         cfg[op]["finish"] = finish
