@@ -11,6 +11,7 @@ from dsv41_passes.reference.mhc import hc_mixes
 
 REF = dp.PassConfig(providers=("reference",))
 N, D = 4, 32
+HC_EPS, NORM_EPS = 1e-3, 1e-2  # apart: a rewrite that passes one for the other changes the results past rtol 1e-5
 
 
 def _args(m=9):
@@ -31,7 +32,7 @@ def _run(fn, config=REF, m=9):
 
 
 def _variant(*, rms="mean_square", proj="linear", fold="after", softmax="softmax", post2="left", order="flat_first",
-             iters=20, eps=1e-6, last_eps=None, end_on_row=False, pre_alpha=None, last_alpha=None, pre_step=1):
+             iters=20, eps=HC_EPS, last_eps=None, end_on_row=False, pre_alpha=None, last_alpha=None, pre_step=1):
     def fn(h, fn_w, scale, base):
         n = h.shape[1]
         xf = h.flatten(1).float() if order == "flat_first" else h.float().flatten(1)
@@ -43,7 +44,7 @@ def _variant(*, rms="mean_square", proj="linear", fold="after", softmax="softmax
             ms = xf.pow(2).sum(-1) / xf.shape[-1]
         else:
             ms = xf.pow(2).sum(-1, keepdim=True) / xf.shape[-1]
-        r = torch.rsqrt(ms + 1e-6)
+        r = torch.rsqrt(ms + NORM_EPS)
         x_in = xf * r if fold == "before" else xf
         mix = {"linear": lambda: F.linear(x_in, fn_w), "matmul": lambda: x_in @ fn_w.T,
                "mm": lambda: torch.mm(x_in, fn_w.t())}[proj]()
@@ -94,14 +95,15 @@ SPELLINGS = {
 
 def test_reference_function_matches():
     def fn(h, fn_w, scale, base):
-        return hc_mixes(h, fn_w, scale, base, 20, 1e-6, 1e-6)
+        return hc_mixes(h, fn_w, scale, base, 20, HC_EPS, NORM_EPS)
 
     out, ref, rep = _run(fn)
     assert rep.sites == {"mhc_stats": 1}, rep.to_markdown()
     assert "dsv41.mhc_stats" in rep.after and "aten.exp" not in rep.after
     for a, b in zip(out, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert torch.allclose(out[2].sum(-2), torch.ones(9, N), atol=1e-5)
+    # Sinkhorn ends on the columns: each sums to S / (S + hc_eps), with S close to 1
+    assert torch.allclose(out[2].sum(-2), torch.full((9, N), 1 / (1 + HC_EPS)), atol=1e-5)
 
 
 @pytest.mark.parametrize("name", sorted(SPELLINGS))
@@ -173,7 +175,7 @@ def test_iteration_count_follows_pass_config():
 
 def test_dynamic_token_count():
     def fn(h, fn_w, scale, base):
-        return hc_mixes(h, fn_w, scale, base, 20, 1e-6, 1e-6)
+        return hc_mixes(h, fn_w, scale, base, 20, HC_EPS, NORM_EPS)
 
     torch._dynamo.reset()
     f = dp.compile(fn, REF)
@@ -192,13 +194,13 @@ def test_inductor_online_softmax_form():
     def fn(h, fn_w, scale, base):
         n = h.shape[1]
         xf = h.flatten(1).float()
-        mix = F.linear(xf, fn_w) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6)
-        pre = torch.sigmoid(mix[:, :n] * scale[0] + base[:n]) + 1e-6
+        mix = F.linear(xf, fn_w) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + NORM_EPS)
+        pre = torch.sigmoid(mix[:, :n] * scale[0] + base[:n]) + HC_EPS
         post = 2 * torch.sigmoid(mix[:, n:2 * n] * scale[1] + base[n:2 * n])
         c = (mix[:, 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
         mx, sm = torch.ops.prims.prepare_softmax_online(c, -1)
-        c = torch.exp(c - mx) / sm + 1e-6
-        return pre, post, sinkhorn_tail(c, 20, 1e-6)
+        c = torch.exp(c - mx) / sm + HC_EPS
+        return pre, post, sinkhorn_tail(c, 20, HC_EPS)
 
     out, ref, rep = _run(fn)
     assert rep.sites == {"mhc_stats": 1}, rep.to_markdown()
