@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import dsv41_passes as dp
 from dsv41_passes.reference.mhc import hc_mixes
+from helpers import unique_graphs
 
 REF = dp.PassConfig(providers=("reference",))
 N, D = 4, 32
@@ -174,10 +175,13 @@ def test_iteration_count_follows_pass_config():
 
 
 def test_dynamic_token_count():
+    from torch._dynamo.utils import counters
+
     def fn(h, fn_w, scale, base):
         return hc_mixes(h, fn_w, scale, base, 20, HC_EPS, NORM_EPS)
 
     torch._dynamo.reset()
+    counters.clear()
     f = dp.compile(fn, REF)
     for m in (3, 17, 40):
         out = f(*_args(m))
@@ -185,6 +189,7 @@ def test_dynamic_token_count():
         for a, b in zip(out, ref):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
     assert dp.last_report().sites == {"mhc_stats": 1}
+    assert unique_graphs() == 1  # one graph for every token count: nothing guards on M
 
 
 def test_inductor_online_softmax_form():
