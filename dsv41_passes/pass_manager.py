@@ -82,9 +82,13 @@ class PostGradPassManager(CustomGraphPass):
 
     # ------------------------------------------------------------- identity
     def uuid(self) -> str:
+        from .patterns import mhc as mhc_patterns
+
         payload = {
             "config": self.config.cache_key() | {"batch_invariant": self.batch_invariant},
             "follows_global": self.follows_global,
+            # which collapse spellings apply (the graph cache must not serve a graph rewritten under the other answer)
+            "drops_bf16_round_trips": mhc_patterns._inductor_drops_bf16_round_trips(),
             "source": source_hash(),
             "versions": _versions(),
         }

@@ -14,6 +14,8 @@ are matched by :mod:`.mhc_stats`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import lowering  # noqa: F401  (registers torch.ops.dsv41.*)
@@ -190,14 +192,43 @@ def _collapse_replace(h, pre, weight=None, eps=0.0):
     return torch.ops.dsv41.mhc_collapse(h, pre, weight, float(eps), ctx.providers, ctx.mode)
 
 
+@functools.lru_cache(maxsize=None)
+def _inductor_drops_bf16_round_trips() -> bool:
+    """Whether this torch's joint-graph passes remove an fp32 -> bf16 -> fp32 round trip (``pointless_convert``):
+    the GPU image's torch 2.11 does; newer ones keep a narrowing intermediate. Probed once on a three-node graph;
+    True (the old assumption) where the probe cannot run."""
+    try:
+        from torch._inductor.fx_passes import joint_graph
+        import torch._inductor.config as icfg
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        cvt = torch.ops.prims.convert_element_type.default
+
+        def trip(x):
+            return cvt(cvt(x, torch.bfloat16), torch.float32) * 2
+
+        gm = make_fx(trip, tracing_mode="fake")(torch.empty(4))
+        if hasattr(joint_graph, "lazy_init"):
+            joint_graph.lazy_init()
+        with icfg.patch(emulate_precision_casts=False):
+            joint_graph.patterns.apply(gm.graph)
+        return not any(n.target is cvt and n.args[1] == torch.bfloat16 for n in gm.graph.nodes)
+    except Exception:  # noqa: BLE001  (a torch without these internals)
+        return True
+
+
 def _casts_may_be_dropped() -> str | None:
-    """The collapse's bf16 round trip is missing from the graph: Inductor drops it on GPU graphs, but with
-    ``emulate_precision_casts`` it keeps every cast, so there the program itself has no rounding to restore."""
+    """The collapse's bf16 round trip is missing from the graph. Inductor's joint-graph passes remove it where this
+    torch's ``pointless_convert`` drops narrowing round trips (torch 2.11) and ``emulate_precision_casts`` is off; the
+    fused op then restores the program's rounding. Elsewhere the program itself has none, and the op would add it."""
     import torch._inductor.config as icfg
 
     if getattr(icfg, "emulate_precision_casts", False):
         return ("no bf16 rounding between the collapse and the norm, and Inductor keeps casts "
                 "(emulate_precision_casts): the fused op would add one")
+    if not _inductor_drops_bf16_round_trips():
+        return ("no bf16 rounding between the collapse and the norm, and this torch's Inductor keeps such casts: "
+                "the fused op would add one")
     return None
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import dsv41_passes as dp
+from dsv41_passes.patterns import mhc as mhc_patterns
 from dsv41_passes.patterns.mhc import COLLAPSE_TERMS, _collapse_norm, _collapse_only
 from dsv41_passes.reference.mhc import hc_collapse
 from dsv41_passes.reference.model import rms_norm
@@ -101,9 +102,10 @@ def test_fp16_streams_are_skipped():
     assert rep.sites == {}
 
 
-def test_dropped_round_trip_form_restores_the_reference_rounding():
-    """Inductor on GPUs (without emulate_precision_casts) drops the collapse's bf16 round trip before
-    the norm; the pattern still matches and the fused op rounds where the reference does."""
+def test_dropped_round_trip_form_restores_the_reference_rounding(monkeypatch):
+    """Where Inductor drops the collapse's bf16 round trip before the norm (torch 2.11's joint-graph passes, without
+    emulate_precision_casts), the pattern still matches and the fused op rounds where the reference does."""
+    monkeypatch.setattr(mhc_patterns, "_inductor_drops_bf16_round_trips", lambda: True)
     h, pre, w = _args()
 
     def fn(h, pre, w):
@@ -113,6 +115,37 @@ def test_dropped_round_trip_form_restores_the_reference_rounding():
     out, rep = _run(fn, (h, pre, w))
     assert rep.sites == {"mhc_collapse": 1}, rep.to_markdown()
     assert torch.equal(out, rms_norm(hc_collapse(h, pre), w, 1e-6))
+
+
+def test_without_the_rounding_where_inductor_keeps_casts_stays(monkeypatch):
+    """Where this torch's Inductor keeps a narrowing round trip, a graph without it is a program without it: the
+    fused op would add a rounding (the case a probe of the public API found rewritten on torch 2.13)."""
+    monkeypatch.setattr(mhc_patterns, "_inductor_drops_bf16_round_trips", lambda: False)
+    h, pre, w = _args()
+
+    def fn(h, pre, w):
+        xf = (pre.unsqueeze(-1) * h.float()).sum(1)
+        return (w * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6))).to(BF16)
+
+    out, rep = _run(fn, (h, pre, w))
+    assert rep.sites == {} and "keeps such casts" in rep.skipped[0].reason, rep.to_markdown()
+    assert not torch.equal(out, rms_norm(hc_collapse(h, pre), w, 1e-6))  # (the rounding it would have added)
+
+
+def test_round_trip_probe_agrees_with_inductor():
+    """The probe says what Inductor does to the model's own spelling: the bf16 convert is in the post-grad graph
+    exactly where the probe says it is kept."""
+    h, pre, w = _args()
+
+    def fn(h, pre, w):
+        x = (pre.unsqueeze(-1) * h.float()).sum(1).to(BF16)
+        xf = x.float()
+        return (w * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6))).to(BF16)
+
+    _, rep = _run(fn, (h, pre, w), dp.PassConfig(mhc=False, providers=("reference",)))
+    lines = rep.before.splitlines()
+    kept = any("convert_element_type" in ln and "torch.bfloat16" in ln and "sum" in ln for ln in lines)
+    assert kept != mhc_patterns._inductor_drops_bf16_round_trips(), rep.before
 
 
 def test_without_the_rounding_under_emulated_casts_stays():
