@@ -56,7 +56,8 @@ for s in $stages; do
     quick) run quick_check ${QUICK_LIMIT:-240} python3 benchmarks/quick_check.py ;;
     guards_layer) run guards_layer ${GUARDS_LIMIT:-300} python3 benchmarks/check_guards.py --layer-only ;;
     prefill) run prefill ${PREFILL_LIMIT:-560} python3 examples/03_prefill_benchmark.py --json "$OUT/prefill.json" \
-               --budget-s ${PREFILL_BUDGET:-330} ;;  # alone in a call: a fresh machine compiles for minutes (run 202)
+               --budget-s ${PREFILL_BUDGET:-$(( ${PREFILL_LIMIT:-560} - 60 ))} ;;  # alone in a call: a fresh machine
+               # compiles for minutes (run 205: 370 s for M = 16384, then the 330 s budget of then skipped the rest)
     mhc_unmeasured) run mhc_unmeasured ${UNMEASURED_LIMIT:-300} python3 benchmarks/probe_mhc_pre_diag.py \
                       ${UNMEASURED_MS:-65536,16384,4096} $(unmeasured plain) --with-timers ;;
     mhc_unmeasured_tests)
