@@ -24,7 +24,8 @@ class PassConfig:
     static_weights: the mHC projection's derived (split) weights are built once; an in-place
         weight update is then rejected with an error instead of refreshing them.
     mhc_boundary: each mHC post is fused with the next sub-block's ``mhc_pre`` into ``mhc_boundary``
-        (same bits; its Triton provider picks the faster form by M: see ``lowering.triton.mhc``).
+        (same bits; its Triton provider, untuned and outside batch-invariant mode, picks the form by M: see
+        ``lowering.triton.mhc_common.untuned_config``).
     """
 
     mhc: bool = True

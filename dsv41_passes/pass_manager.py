@@ -15,8 +15,9 @@ Fixed order, each stage timed and reported:
                   whose per-row arithmetic depends only on K;
 8. ``cleanup``    stable topological sort, dead-code elimination, lint.
 
-``uuid()`` hashes the PassConfig (batch-invariant mode resolved), the source of
-every pattern, lowering and kernel module, and the torch/triton/tilelang versions,
+``uuid()`` hashes the PassConfig (batch-invariant mode resolved), whether the graph follows the global
+mode, whether this torch's Inductor drops bf16 round trips (a probe the collapse patterns depend on), the
+source of every pattern, lowering and kernel module, and the torch/triton/tilelang versions,
 so Inductor's FX graph cache never replays a graph rewritten under other rules.
 """
 

@@ -24,7 +24,7 @@ Simplified (stated here and in the README):
   compressed KV cache are not modelled. Compressed layers still use their own
   (YaRN) RoPE table;
 * no Engram memory, no DSpark/MTP drafter, no vision tower, no MoE
-  ``gate_temp``/image-token bias;
+  image-token bias (``gate_temp`` is applied);
 * the linear layers run in bf16 on dequantized weights: the FP8 GEMMs' per-block
   activation quantization (e.g. ``act_quant(z)`` before WO-B) is not modelled (the
   KV path's FP8 round trip is);
