@@ -102,17 +102,19 @@ def test_fp16_streams_are_skipped():
     assert rep.sites == {}
 
 
+def _unrounded_collapse_norm(h, pre, w):
+    """Collapse + RMSNorm with no bf16 rounding between them."""
+    xf = (pre.unsqueeze(-1) * h.float()).sum(1)
+    return (w * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6))).to(BF16)
+
+
 def test_dropped_round_trip_form_restores_the_reference_rounding(monkeypatch):
     """Where Inductor drops the collapse's bf16 round trip before the norm (torch 2.11's joint-graph passes, without
     emulate_precision_casts), the pattern still matches and the fused op rounds where the reference does."""
     monkeypatch.setattr(mhc_patterns, "_inductor_drops_bf16_round_trips", lambda: True)
     h, pre, w = _args()
 
-    def fn(h, pre, w):
-        xf = (pre.unsqueeze(-1) * h.float()).sum(1)
-        return (w * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6))).to(BF16)
-
-    out, rep = _run(fn, (h, pre, w))
+    out, rep = _run(_unrounded_collapse_norm, (h, pre, w))
     assert rep.sites == {"mhc_collapse": 1}, rep.to_markdown()
     assert torch.equal(out, rms_norm(hc_collapse(h, pre), w, 1e-6))
 
@@ -123,11 +125,7 @@ def test_without_the_rounding_where_inductor_keeps_casts_stays(monkeypatch):
     monkeypatch.setattr(mhc_patterns, "_inductor_drops_bf16_round_trips", lambda: False)
     h, pre, w = _args()
 
-    def fn(h, pre, w):
-        xf = (pre.unsqueeze(-1) * h.float()).sum(1)
-        return (w * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6))).to(BF16)
-
-    out, rep = _run(fn, (h, pre, w))
+    out, rep = _run(_unrounded_collapse_norm, (h, pre, w))
     assert rep.sites == {} and "keeps such casts" in rep.skipped[0].reason, rep.to_markdown()
     assert not torch.equal(out, rms_norm(hc_collapse(h, pre), w, 1e-6))  # (the rounding it would have added)
 
@@ -153,12 +151,8 @@ def test_without_the_rounding_under_emulated_casts_stays():
     without it, and rewriting it would add a rounding (it changed a quarter of the elements by up to 2**-5)."""
     h, pre, w = _args()
 
-    def fn(h, pre, w):
-        xf = (pre.unsqueeze(-1) * h.float()).sum(1)
-        return (w * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6))).to(BF16)
-
     torch._dynamo.reset()
-    out = dp.compile(fn, REF, options={"emulate_precision_casts": True})(h, pre, w)
+    out = dp.compile(_unrounded_collapse_norm, REF, options={"emulate_precision_casts": True})(h, pre, w)
     rep = dp.last_report()
     assert rep.sites == {} and "emulate_precision_casts" in rep.skipped[0].reason, rep.to_markdown()
-    torch.testing.assert_close(out, fn(h, pre, w), rtol=0, atol=0)
+    torch.testing.assert_close(out, _unrounded_collapse_norm(h, pre, w), rtol=0, atol=0)
