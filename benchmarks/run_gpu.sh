@@ -45,6 +45,9 @@ for s in $stages; do
     env) run env 60 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name()); import tilelang; print('tilelang', tilelang.__version__)" ;;
     tests)  # the tests with 65536 rows one at a time after the others (4 workers ran an 80 GB card out of memory);
       # on a fresh machine the first part builds every kernel (run 197: 300 s cut it; run 198, warm: 140 s, the rest 72 s)
+      # (first: this torch's answer to the collapse pattern's round-trip probe, against what its Inductor does)
+      run round_trip_probe 120 python3 -m pytest -q tests/patterns/test_mhc_collapse.py -p no:cacheprovider -rfE \
+        -k "probe_agrees"
       run gpu_tests ${TESTS_LIMIT:-450} python3 -m pytest -q -m gpu tests -n ${JOBS:-6} -p no:cacheprovider -rfE \
         -k "not 65536 and not 65537"
       run gpu_tests_64k ${TESTS_64K_LIMIT:-120} python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfE \
