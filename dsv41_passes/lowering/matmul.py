@@ -32,8 +32,7 @@ def _check_mm(a: torch.Tensor, b: torch.Tensor, batched: bool) -> None:
         raise ValueError(f"bi_{'b' if batched else ''}mm: shapes {tuple(a.shape)} and {tuple(b.shape)} do not multiply")
     if a.dtype != b.dtype or a.dtype not in _FLOATS:
         raise ValueError(f"bi matmul: operands must share a float dtype, got {a.dtype} and {b.dtype}")
-    if a.device != b.device:
-        raise ValueError(f"bi matmul: operands on {a.device} and {b.device}")
+    one_device(f"bi_{'b' if batched else ''}mm", a, b)
 
 
 @torch.library.custom_op("dsv41::bi_mm", mutates_args=())

@@ -35,8 +35,7 @@ def check_post_args(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb
            f"mhc_post: y and res must share a float dtype, got {y.dtype} and {res.dtype}")
     _check(post.dtype == torch.float32 and comb.dtype == torch.float32,
            f"mhc_post: post and comb must be float32, got {post.dtype} and {comb.dtype}")
-    devs = {t.device for t in (y, res, post, comb)}
-    _check(len(devs) == 1, f"mhc_post: all inputs must be on one device, got {sorted(map(str, devs))}")
+    one_device("mhc_post", y, res, post, comb)
 
 
 @torch.library.custom_op("dsv41::mhc_post", mutates_args=())
@@ -77,8 +76,7 @@ def check_stats_args(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
     _check(
         h.dtype in (torch.bfloat16, torch.float16, torch.float32), f"mhc_stats: unsupported residual dtype {h.dtype}"
     )
-    devs = {t.device for t in (h, fn, scale, base)}
-    _check(len(devs) == 1, f"mhc_stats: all inputs must be on one device, got {sorted(map(str, devs))}")
+    one_device("mhc_stats", h, fn, scale, base)
 
 
 def _stats_out(h: torch.Tensor):
@@ -130,8 +128,7 @@ def check_collapse_args(h: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor
         _check(tuple(weight.shape) == (d,), f"mhc_collapse: norm weight must be [{d}], got {tuple(weight.shape)}")
         _check(weight.is_floating_point(), f"mhc_collapse: norm weight must be floating point, got {weight.dtype}")
         _check(math.isfinite(eps) and eps > 0, f"mhc_collapse: norm eps must be finite and > 0, got {eps}")
-    devs = {t.device for t in (h, pre, weight) if t is not None}
-    _check(len(devs) == 1, f"mhc_collapse: all inputs must be on one device, got {sorted(map(str, devs))}")
+    one_device("mhc_collapse", h, pre, weight)
 
 
 def collapse_norm_reference(

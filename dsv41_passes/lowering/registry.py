@@ -102,9 +102,10 @@ def dispatch(op: str, priority: str, mode: int, *args: Any) -> Any:
     return p.fn(*args, batch_invariant=batch_invariant)
 
 
-def one_device(op: str, *tensors: torch.Tensor) -> None:
-    """For the fake impls: a call mixing ``meta`` with real tensors dispatches to the fake impl, which would
-    return an empty tensor (or skip a store) where the real op raises; raise as it does."""
+def one_device(op: str, *tensors: torch.Tensor | None) -> None:
+    """Every tensor argument of an op on one device (None skipped). The ops' argument checks and their fake impls
+    both call it: a call mixing ``meta`` with real tensors dispatches to the fake impl, which would otherwise return
+    an empty tensor (or skip a store) where the real op raises."""
     devs = {t.device for t in tensors if isinstance(t, torch.Tensor)}
     if len(devs) > 1:
         raise ValueError(f"{op}: all inputs must be on one device, got {sorted(map(str, devs))}")

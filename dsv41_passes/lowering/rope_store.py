@@ -54,11 +54,6 @@ def _check_rope_tables(op: str, cos: torch.Tensor, sin: torch.Tensor, m: int, d:
     return rd
 
 
-def _check_device(op: str, *ts: torch.Tensor) -> None:
-    devs = {t.device for t in ts}
-    _check(len(devs) == 1, f"{op}: all inputs must be on one device, got {sorted(map(str, devs))}")
-
-
 def check_q_args(q_buf: torch.Tensor, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Clear errors for inputs ``q_rope_store`` cannot take."""
     op = "q_rope_store"
@@ -73,7 +68,7 @@ def check_q_args(q_buf: torch.Tensor, q: torch.Tensor, cos: torch.Tensor, sin: t
     _check(torch._debug_has_internal_overlap(q_buf) != 1, f"{op}: q_buf has elements that share memory "
            f"(strides {tuple(q_buf.stride())}): a store would write them more than once")
     _check_rope_tables(op, cos, sin, m, d)
-    _check_device(op, q_buf, q, cos, sin)
+    one_device(op, q_buf, q, cos, sin)
 
 
 def check_kv_compute_args(
@@ -87,7 +82,7 @@ def check_kv_compute_args(
     _check(math.isfinite(eps) and eps > 0, f"{op}: eps must be finite and > 0, got {eps}")
     _check(block >= 1 and d % block == 0, f"{op}: FP8 block {block} must divide head_dim {d}")
     _check_rope_tables(op, cos, sin, m, d)
-    _check_device(op, kv, weight, cos, sin)
+    one_device(op, kv, weight, cos, sin)
 
 
 def check_kv_args(
@@ -104,7 +99,7 @@ def check_kv_args(
            f"(strides {tuple(cache.stride())}): a store would write them more than once")
     _check(tuple(slots.shape) == (m,), f"{op}: slots must be [M] = [{m}], got {tuple(slots.shape)}")
     _check(slots.dtype == torch.int64, f"{op}: slots must be int64, got {slots.dtype}")
-    _check_device(op, cache, kv, slots)
+    one_device(op, cache, kv, slots)
 
 
 # ---------------------------------------------------------------------------

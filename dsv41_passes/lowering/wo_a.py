@@ -74,8 +74,7 @@ def check_args(
             _check(t.dtype == torch.float32, f"{name} must be float32, got {t.dtype}")
             _check(tuple(t.shape) == (m, rope_dim // 2), f"{name} must be [M, rope_dim/2] = {(m, rope_dim // 2)}, "
                                                           f"got {tuple(t.shape)}")
-    devs = {t.device for t in (o, weight, cos, sin) if t is not None}
-    _check(len(devs) == 1, f"all inputs must be on one device, got {sorted(map(str, devs))}")
+    one_device(OP, o, weight, cos, sin)
 
 
 @torch.library.custom_op("dsv41::wo_a", mutates_args=())

@@ -100,21 +100,15 @@ def _check_before_copying(path: object, shards: dict[str, Path], params: dict[st
     absent = sorted({os.fspath(fp) for fp in shards.values() if not fp.is_file()})
     if absent:
         raise CheckpointError(f"checkpoint {path}: its index names shard files that do not exist: {', '.join(absent)}")
+    loaded = [n for n in sorted(params) if n in shards]
     by_file: dict[Path, list[str]] = {}
-    for name in sorted(params):
-        if name in shards:
-            by_file.setdefault(shards[name], []).append(name)
+    for name in loaded + [sc for sc in map(_scale_name, loaded) if sc in shards]:  # the weights, then their scales
+        by_file.setdefault(shards[name], []).append(name)
     heads: dict[str, tuple[str, tuple[int, ...]]] = {}
     for fp, names in by_file.items():
         heads |= _header(fp, names)
-    scales = {}
-    for name, (dtype, _) in heads.items():
-        if dtype in _FP8_NAMES | _FP4_NAMES and _scale_name(name) in shards:
-            scales.setdefault(shards[_scale_name(name)], []).append(_scale_name(name))
-    for fp, names in scales.items():
-        heads |= _header(fp, names)
     bn, bk = block
-    for name in sorted(n for names in by_file.values() for n in names):
+    for name in loaded:
         dtype, shape = heads[name]
         want = tuple(params[name].shape)
         fp4 = dtype in _FP4_NAMES
