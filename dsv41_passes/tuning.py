@@ -9,7 +9,8 @@ compiled graph or a kernel binary: one binary per config serves every M.
 * ``DSV41_TACTICS=off``: the cache is neither read nor written, defaults only;
 * ``save_tactics`` / ``load_tactics`` keep tuned entries with metadata (device,
   capability, torch/triton/tilelang and library versions). A mismatch or a
-  corrupt file is rejected with a warning; loading merges and never drops
+  corrupt file is rejected with a warning, and so is each entry no kernel can
+  launch (an unknown op, bucket or config); loading merges and never drops
   entries already tuned in this process.
 """
 
@@ -127,7 +128,8 @@ def load_tactics(path: str | os.PathLike[str]) -> int:
     """Merge entries from ``path`` into the table; returns how many were added.
 
     Entries already tuned in this process win over the file's. A corrupt file or
-    one written for another device or software stack is rejected with a warning.
+    one written for another device or software stack is rejected with a warning;
+    so is each entry that is not among its op's candidate configs.
     """
     if not enabled():
         warnings.warn("DSV41_TACTICS=off: tactics file ignored", stacklevel=2)
@@ -152,13 +154,41 @@ def load_tactics(path: str | os.PathLike[str]) -> int:
         detail = ", ".join(f"{k}: file {meta.get(k)!r} vs here {mine[k]!r}" for k in diff)
         warnings.warn(f"tactics file {path} was tuned elsewhere ({detail}); ignored", stacklevel=2)
         return 0
+    bad = _invalid_entries(ents)
+    if bad:
+        shown = "; ".join(f"{k!r}: {why}" for k, why in list(bad.items())[:3])
+        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+        warnings.warn(f"tactics file {path}: {len(bad)} entries dropped, no kernel here can run them: {shown}{more}",
+                      stacklevel=2)
     added = 0
     with _LOCK:
         for k, v in ents.items():
-            if k not in _TABLE:
+            if k not in _TABLE and k not in bad:
                 _TABLE[k] = dict(v)
                 added += 1
     return added
+
+
+def _invalid_entries(ents: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """The entries of a tactics file that no kernel of this library can launch, with why: an op no kernel reads
+    tactics under, a bucket that is not one of :func:`buckets`, or a config that is not among the op's candidates
+    (what the warm-up records; a hand-edited key a kernel does not know would fail at launch)."""
+    from .lowering import tactic_candidates
+
+    known = tactic_candidates()
+    valid_buckets = {str(b) for b in buckets()}
+    bad: dict[str, str] = {}
+    for k, v in ents.items():
+        parts = k.split("|")
+        if len(parts) != 3:
+            bad[k] = "not an 'op|shape|bucket' key"
+        elif parts[0] not in known:
+            bad[k] = f"no kernel reads tactics for op {parts[0]!r}"
+        elif parts[2] not in valid_buckets:
+            bad[k] = f"bucket {parts[2]!r} is not a power of two up to {MAX_TOKENS}"
+        elif v not in known[parts[0]]:
+            bad[k] = f"{v} is not one of {parts[0]}'s candidate configs"
+    return bad
 
 
 # ---------------------------------------------------------------------------

@@ -7,9 +7,13 @@ import pytest
 
 import dsv41_passes as dp
 from dsv41_passes import tuning
+from dsv41_passes.lowering import tactic_candidates
 
 DEFAULT = {"BLOCK": 64, "num_warps": 4}
 KEY = {"d": 5120, "n": 4}
+# real configs of one op: a file may hold only configs a kernel can launch
+POST = tactic_candidates()["mhc_post"]
+WO_A = tactic_candidates()["wo_a"]
 
 
 @pytest.fixture(autouse=True)
@@ -28,15 +32,17 @@ def test_buckets():
 
 
 def test_round_trip(tmp_path):
-    tuning.record("mhc_post", 4096, KEY, {"BLOCK": 256, "num_warps": 8})
-    assert tuning.tactic("mhc_post", 3000, KEY, DEFAULT) == {"BLOCK": 256, "num_warps": 8}
+    tuning.record("mhc_post", 4096, KEY, POST[3])
+    assert tuning.tactic("mhc_post", 3000, KEY, DEFAULT) == POST[3]
     assert tuning.tactic("mhc_post", 5000, KEY, DEFAULT) == DEFAULT  # another bucket
     assert tuning.tactic("mhc_post", 3000, {"d": 4096, "n": 4}, DEFAULT) == DEFAULT  # another shape
     path = tmp_path / "t.json"
     assert dp.save_tactics(path) == 1
     tuning.clear()
-    assert dp.load_tactics(path) == 1
-    assert tuning.tactic("mhc_post", 2049, KEY, DEFAULT) == {"BLOCK": 256, "num_warps": 8}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a file this process wrote loads without a warning
+        assert dp.load_tactics(path) == 1
+    assert tuning.tactic("mhc_post", 2049, KEY, DEFAULT) == POST[3]
     meta = json.loads(path.read_text())["meta"]
     assert {"device", "capability", "torch", "triton", "tilelang", "dsv41_passes"} <= set(meta)
 
@@ -79,18 +85,54 @@ def test_missing_file_warns(tmp_path):
 
 
 def test_loading_never_drops_or_overrides_entries_tuned_here(tmp_path):
-    tuning.record("mhc_post", 64, KEY, {"BLOCK": 128, "num_warps": 4})
-    tuning.record("mhc_post", 65536, KEY, {"BLOCK": 1024, "num_warps": 8})  # the large-prefill tactic
+    tuning.record("mhc_post", 64, KEY, POST[0])
+    tuning.record("mhc_post", 65536, KEY, POST[1])  # the large-prefill tactic
     first = tmp_path / "first.json"
     dp.save_tactics(first)
     tuning.clear()
-    tuning.record("mhc_post", 64, KEY, {"BLOCK": 64, "num_warps": 2})  # tuned again in this process
-    tuning.record("wo_a", 16, {"g": 2}, {"BM": 64})
+    tuning.record("mhc_post", 64, KEY, POST[2])  # tuned again in this process
+    tuning.record("wo_a", 16, {"g": 2}, WO_A[0])
     assert dp.load_tactics(first) == 1  # only the entry this process lacks
     assert dp.load_tactics(first) == 0  # a second load changes nothing
-    assert tuning.tactic("mhc_post", 64, KEY, DEFAULT) == {"BLOCK": 64, "num_warps": 2}
-    assert tuning.tactic("mhc_post", 65536, KEY, DEFAULT) == {"BLOCK": 1024, "num_warps": 8}
-    assert tuning.tactic("wo_a", 16, {"g": 2}, {}) == {"BM": 64}
+    assert tuning.tactic("mhc_post", 64, KEY, DEFAULT) == POST[2]
+    assert tuning.tactic("mhc_post", 65536, KEY, DEFAULT) == POST[1]
+    assert tuning.tactic("wo_a", 16, {"g": 2}, {}) == WO_A[0]
+
+
+def test_entries_no_kernel_can_launch_are_dropped_with_a_warning(tmp_path):
+    """A hand-edited file: an entry with a key its kernel does not know (it raised KeyError at launch), an unknown
+    op, a bucket that is no power of two, a malformed key. Each is dropped with a warning; the valid one loads."""
+    tuning.record("mhc_post", 64, KEY, POST[0])
+    path = tmp_path / "t.json"
+    dp.save_tactics(path)
+    data = json.loads(path.read_text())
+    (good,) = data["entries"]
+    broken = {k: v for k, v in POST[1].items() if k != "BLOCK_D"}
+    data["entries"].update({
+        "mhc_post|d=5120,n=4|128": broken,
+        "mhc_post|d=5120,n=4|256": dict(POST[1], BLOCK_Z=2),
+        "mhc_posts|d=5120,n=4|64": POST[1],
+        "mhc_post|d=5120,n=4|100": POST[1],
+        "mhc_post": POST[1],
+    })
+    path.write_text(json.dumps(data))
+    tuning.clear()
+    with pytest.warns(UserWarning, match=r"5 entries dropped.*'mhc_post\|d=5120,n=4\|128'.*not one of mhc_post's"):
+        assert dp.load_tactics(path) == 1
+    assert tuning.entries() == {good: POST[0]}
+    assert tuning.tactic("mhc_post", 128, KEY, DEFAULT) == DEFAULT  # not the entry without BLOCK_D
+
+
+def test_every_op_reads_tactics_under_a_name_with_candidates():
+    """The warm-up's tunables record only candidates of ops ``tactic_candidates`` knows (else a saved file would not
+    load back)."""
+    from dsv41_passes.lowering import tunables_for
+    from dsv41_passes.reference import DeepseekV41Config
+
+    known = tactic_candidates()
+    for t in tunables_for(DeepseekV41Config.tiny(), "cpu"):
+        if len(t.candidates) > 1:  # (only these are ever recorded)
+            assert t.candidates == known[t.op], t.op
 
 
 def test_disabled_cache(monkeypatch, tmp_path):
