@@ -355,6 +355,10 @@ def test_boundary_build(opts, tmp_path, monkeypatch):
         if cfg.get("norm_wg"):  # post_store_late: after the step's x stores (the x_hints helper), else before them
             xs = tail.index("dsv41_st16_evict_last(")
             assert (xs < tail.index("*(uint4*)(new_res + ")) == bool(cfg.get("post_store_late"))
+            # vec_release_early: the stage goes back right after the post's stores, before the collapse and x stores
+            assert (tail.index("empty[") < xs) == bool(cfg.get("vec_release_early"))
+            # the thread's arrival (and with a CTA pair its warp's one on the other CTA's barrier)
+            assert tail.count("empty[") == (2 if cfg.get("hi_multicast") else 1)
     assert re.search(r"tl::fence_proxy_async\(\);\s*ready\[\([^\]]* & 3\)\]\.arrive\(\);", vector)
     # post_prefetch k: the next block's post and comb rows and the pre row after into L1 at step 10 - k, the only ones
     assert vector.count("dsv41_prefetch_l1(") == (3 if cfg.get("post_prefetch") else 0)
@@ -401,6 +405,32 @@ def test_boundary_inputs_are_checked():
         tlp.build(FLASH_D, 8, EPS, **dict(tlp.CONFIGS["wg1-split-v2"], boundary=True))
     with pytest.raises(ValueError, match="post_tma_store is for the boundary"):
         tlp.build(FLASH_D, 8, EPS, **dict(tlp.DEFAULT_CONFIG, post_tma_store=True))
+    with pytest.raises(ValueError, match="vec_release_early is for split roles with the normalizing warps"):
+        tlp.build(FLASH_D, 8, EPS, **dict(tlp.DEFAULT_CONFIG, vec_release_early=True))  # (held_norm)
+    with pytest.raises(ValueError, match="vec_release_early is for split roles with the normalizing warps"):
+        tlp.build(FLASH_D, 8, EPS, **dict(tlp.BOUNDARY_CONFIG, boundary=True, post_tma_store=True,
+                                          vec_release_early=True))
+    with pytest.raises(ValueError, match="nopostmath is for the boundary"):
+        tlp.build(FLASH_D, 8, EPS, **dict(tlp.BOUNDARY_CONFIG, diag="nopostmath"))
+
+
+def test_boundary_without_the_post_math_build(tmp_path, monkeypatch):
+    """The probe build ``diag`` "nopostmath" (``run_gpu.sh mhc_boundary_timers``): the vector role writes the old
+    residual back as the new one, with the post's conversions, stores and barriers kept."""
+    pytest.importorskip("tilelang")
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not installed: TileLang cannot build the sm_90a cubin")
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+
+    cfg = dict(tlp.BOUNDARY_CONFIG, boundary=True)
+    srcs = [tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, **dict(cfg, diag=d)), True).get_kernel_source()
+            for d in ("", "nopostmath")]
+    vectors = [src.split("if (256 <= ((int)threadIdx.x)) {")[1] for src in srcs]
+    assert "__fmul_rn(pk[" in vectors[0] and "__fmul_rn(pk[" not in vectors[1]
+    for v in vectors:
+        assert v.count("dsv41_f32x8_to_bf16_back(") == 5 and v.count("*(uint4*)(new_res + ") == 1
+        assert v.count("ready[") == 1 and "tl::fence_proxy_async();" in v
 
 
 # the default; the deferred dots' own loop; the normalizing warps' (the boundary's config)

@@ -226,6 +226,12 @@ CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-sl"] = dict(CONFIGS["wg1-spli
                                                               post_store_late=True)
 CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-pf2-sl"] = dict(
     CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-pf2"], post_store_late=True)
+# the boundary's with the vector role's stage released right after its post's ``ready`` arrival (``vec_release_early``),
+# not at the end of its step: in run 200's Nsight Compute samples (H100, M = 65536) the vector role spends 28% of its
+# loop after that arrival, during which its stage stays held although only the dots still read it, while it waits 25%
+# of its loop for a stage and the producer 64-71% of its time (timers) for a free one
+CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve"] = dict(CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re"],
+                                                              vec_release_early=True)
 # Not kept (measured in runs 173-174 and 179-181, code not in the tree): the row's x loaded before its partials are
 # polled; the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role); the row
 # block's pre weights brought by TMA with its first stage; one stage-barrier arrival a warp instead of a thread;

@@ -123,7 +123,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
           xss_by_row: bool = False, boundary: bool = False, post_tma_store: bool = False, packed_cvt: bool = False,
           ml48: bool = False, held_norm: int = 0, held_prepoll: bool = False, hi_multicast: int = 0,
           fused_finish: bool = False, finish_consts: tuple | None = None, dots_release_early: bool = False,
-          post_prefetch: int = 0, post_store_late: bool = False):
+          post_prefetch: int = 0, post_store_late: bool = False, vec_release_early: bool = False):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
@@ -156,6 +156,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     ``post_store_late`` (the boundary with the normalizing warps, without ``post_tma_store``; ignored without the
     boundary): the new residual's global stores issued at the end of the vector role's step, after the x stores,
     instead of right after ``ready``;
+    ``vec_release_early`` (split roles, the normalizing warps; the boundary without ``post_tma_store``): the vector
+    role releases its stage once it has nothing more to do with it, after its loads of the stage or, with the boundary,
+    after its post's ``ready`` arrival, instead of at the end of its step (``held_norm`` does so without the boundary);
     ``packed_cvt``: the vector role's and the normalizing warps' bf16 <-> f32 conversions by bit operations, two
     roundings an instruction (``PACKED_CVT_SOURCE``; the same values); ``ml48`` (split roles, the mid part resident):
     the mid and lo parts resident side by side as one [48, DS] tile a stream (``wmid`` is then ``[16, 4, 48, d/16]``,
@@ -177,7 +180,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     ``diag`` (probe builds only, ``benchmarks/probe_mhc_pre_diag.py``; comma-separated): "timers" has the first thread
     of each role (producer, normalizing warps, dots, vector) count clock64 cycles waiting on its barriers and in all,
     written over xss at the end (in the partial layout); "nonorm", "novec", "nodots" and "noxstore" drop that work,
-    "nowstream" the streamed weight part's copies (wrong results by design).
+    "nowstream" the streamed weight part's copies, "nopostmath" the post's arithmetic (the boundary: the old residual
+    is written back as the new one, y unused; wrong results by design).
 
     Arguments: ``h [M, 4d]`` bf16, ``hi/mid/lo [16, 4, 24, d/16]`` bf16 (slice-major parts), ``pre_prev
     [M, 4]`` f32, ``w [d]`` f32 -> ``x [M, d]`` bf16 (normalized), ``ws [nrb*16*64, 24]``, ``ss``,
@@ -201,9 +205,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     if norm_warps not in (2, 3):
         raise ValueError(f"TileLang mhc_pre: the norm runs on warps 2-3 or 1-3 of the producer, got {norm_warps} warps")
     flags = set(diag.split(",")) - {""}
-    if flags - {"timers", "nonorm", "novec", "nodots", "noxstore", "nowstream"}:
+    if flags - {"timers", "nonorm", "novec", "nodots", "noxstore", "nowstream", "nopostmath"}:
         raise ValueError(f"TileLang mhc_pre: diag {diag!r}: not among timers, nonorm, novec, nodots, noxstore, "
-                         "nowstream")
+                         "nowstream, nopostmath")
     if dots_defer and not split_roles:
         raise ValueError("TileLang mhc_pre: dots_defer needs split roles")
     if dots_release_early and not dots_defer:
@@ -217,6 +221,11 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     if post_store_late and (held_norm or post_tma_store):
         raise ValueError("TileLang mhc_pre: post_store_late is for the boundary with the normalizing warps, without "
                          "post_tma_store")
+    if "nopostmath" in flags and not (boundary and packed_cvt):
+        raise ValueError("TileLang mhc_pre: diag nopostmath is for the boundary with packed_cvt")
+    if vec_release_early and not (split_roles and norm_wg and not post_tma_store):
+        raise ValueError("TileLang mhc_pre: vec_release_early is for split roles with the normalizing warps, without "
+                         "post_tma_store (held_norm releases after its loads already)")
     if post_tma_store and not boundary:
         raise ValueError("TileLang mhc_pre: post_tma_store is for the boundary")
     if boundary and not ((norm_wg or held_norm) and mid_resident) or boundary and "novec" in diag:
@@ -269,7 +278,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         xss_by_row=xss_by_row, HC=HC, lag=lag, tpr=tpr, boundary=boundary, dots_defer=dots_defer, norm_wg=norm_wg,
         producer=producer, post_tma_store=post_tma_store, packed_cvt=packed_cvt, ml48=ml48, held_norm=held_norm,
         held_prepoll=held_prepoll, hi_multicast=hi_multicast, fused_finish=fused_finish, finish_consts=finish_consts,
-        dots_release_early=dots_release_early, post_prefetch=post_prefetch, post_store_late=post_store_late)
+        dots_release_early=dots_release_early, post_prefetch=post_prefetch, post_store_late=post_store_late,
+        vec_release_early=vec_release_early)
     mc = kernel_macros(T, geo)
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
     issue, resident, normalize_blocks = mc.issue, mc.resident, mc.normalize_blocks

@@ -14,6 +14,7 @@ def post_macros(T, g: SimpleNamespace, cvt_in, cvt_out) -> SimpleNamespace:
     m, d, nrun, vals, run_col, packed_cvt = g.m, g.d, g.nrun, g.vals, g.run_col, g.packed_cvt
     stages, groups, bm, ds, bk, nc, post_tma_store = g.stages, g.groups, g.bm, g.ds, g.bk, g.nc, g.post_tma_store
     post_store_late = g.post_store_late
+    no_math = "nopostmath" in g.flags  # (diag: the old residual written back unchanged)
     bf16, f32 = "bfloat16", "float32"
 
     @T.macro
@@ -53,11 +54,18 @@ def post_macros(T, g: SimpleNamespace, cvt_in, cvt_out) -> SimpleNamespace:
         if packed_cvt:
             for u in T.unroll(nrun):
                 T.evaluate(cvt_in(T.address_of(yv[u * 8]), T.address_of(b.ys[st, r, run_col(hf, u)])))
-            for k in T.unroll(4):
+            if no_math:
                 for v in T.unroll(vals):
-                    nf[k * vals + v] = T.ieee_add(T.ieee_mul(pk[k], yv[v]), T.ieee_add(T.ieee_add(T.ieee_add(
-                        T.ieee_mul(cm[k], hv0[v]), T.ieee_mul(cm[4 + k], hv1[v])), T.ieee_mul(cm[8 + k], hv2[v])),
-                        T.ieee_mul(cm[12 + k], hv3[v])))
+                    nf[0 * vals + v] = hv0[v]
+                    nf[1 * vals + v] = hv1[v]
+                    nf[2 * vals + v] = hv2[v]
+                    nf[3 * vals + v] = hv3[v]
+            else:
+                for k in T.unroll(4):
+                    for v in T.unroll(vals):
+                        nf[k * vals + v] = T.ieee_add(T.ieee_mul(pk[k], yv[v]), T.ieee_add(T.ieee_add(T.ieee_add(
+                            T.ieee_mul(cm[k], hv0[v]), T.ieee_mul(cm[4 + k], hv1[v])), T.ieee_mul(cm[8 + k], hv2[v])),
+                            T.ieee_mul(cm[12 + k], hv3[v])))
             for u in T.unroll(nrun):  # (the old values are all read: hv0..hv3 <- the new ones)
                 T.evaluate(cvt_out(T.address_of(nb[0 * vals + u * 8]), T.address_of(nf[0 * vals + u * 8]),
                                    T.address_of(hv0[u * 8])))

@@ -20,6 +20,7 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
         geo.stages, geo.tpr, geo.vals)
     boundary, dots_defer, flags, norm_wg, producer = geo.boundary, geo.dots_defer, geo.flags, geo.norm_wg, geo.producer
     post_tma_store, packed_cvt, hi_multicast = geo.post_tma_store, geo.packed_cvt, geo.hi_multicast
+    vec_early = geo.vec_release_early
     row_rstd, store_x, norm_chunk, load_chunk = mc.row_rstd, mc.store_x, mc.norm_chunk, mc.load_chunk
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
     stream_dots, load_stream, issue = mc.stream_dots, mc.load_stream, mc.issue
@@ -97,6 +98,8 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
                     load_stream(a3, hv3, st, r, hf)
                     if boundary:  # the post: the new residual over the stage and to HBM, then the dots may read it
                         mc.post_step(b, st, r, hf, row, col, hv0, hv1, hv2, hv3, lt, t, s, g)
+                    if vec_early:  # the role is done with the stage (its values, old or new, are in registers)
+                        mc.release(b.empty, st, lt, b.rank)
                     mc.sums_collapse(sq, xq, xf, xo, pr, hv0, hv1, hv2, hv3)
                     if packed_cvt:
                         for u in T.unroll(nrun):  # xf <- the rounded values
@@ -118,7 +121,9 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
                 if producer:
                     if vec and post_tma_store and lt < 32:  # the stage's TMA stores have read it
                         T.tma_store_wait(0)
-                    if hi_multicast:  # (split roles: this is the vector role, the dots' loop is dots_deferred)
+                    if vec and vec_early:
+                        pass  # (released above)
+                    elif hi_multicast:  # (split roles: this is the vector role, the dots' loop is dots_deferred)
                         mc.release(b.empty, st, lt, b.rank)
                     else:
                         T.mbarrier_arrive(b.empty[st])
