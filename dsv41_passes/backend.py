@@ -7,6 +7,7 @@ the determinism switches travel as per-compile config patches.
 from __future__ import annotations
 
 import functools
+import inspect
 from contextlib import nullcontext
 import warnings
 from pathlib import Path
@@ -171,6 +172,10 @@ def compile(model_or_fn: Any, config: PassConfig | None = None, **torch_compile_
     if torch_compile_kwargs.get("mode") not in (None, "default"):
         raise ValueError("mode= is not supported; pass Inductor options through options=")
     torch_compile_kwargs.pop("mode", None)
+    if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+        # each mode's compile gets its own recompile limit: Dynamo otherwise counts every torch.compile of this
+        # function against one, and past it runs the function eagerly (no passes, no batch-invariant mode)
+        torch_compile_kwargs.setdefault("isolate_recompiles", True)
     compiled: dict[bool, Callable[..., Any]] = {}
 
     def for_mode(bi: bool) -> Callable[..., Any]:

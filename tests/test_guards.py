@@ -160,3 +160,17 @@ def test_twelve_token_counts_one_graph_up_to_65536():
     with pytest.raises(Exception, match="max_num_tokens"):
         model.reset_cache()
         fast(ids, pos % 65536, cu)
+
+
+def test_compiled_variants_do_not_share_one_recompile_limit():
+    """Dynamo keeps the graphs of every torch.compile of one function together and falls back to eager, silently, at
+    its recompile limit (8): the ninth dp.compile variant here ran eagerly, without its fused op or its mode."""
+    torch._dynamo.reset()
+    args = _post_args()
+    for i in range(10):
+        cfg = dp.PassConfig(providers=("reference",), batch_invariant=i % 2 == 1, hc_sinkhorn_iters=1 + i)
+        before = dp.reports()[-1] if dp.reports() else None
+        dp.compile(_block, cfg)(*args)
+        rep = dp.last_report()
+        assert rep is not before, f"variant {i} ran without compiling"
+        assert rep.sites == {"mhc_post": 1} and rep.config["hc_sinkhorn_iters"] == 1 + i
