@@ -51,21 +51,41 @@ def _report_dir() -> Path:
     return d
 
 
+def _locations_digest(gm: torch.fx.GraphModule) -> str:
+    """A digest of what report rows take from node meta (module path, layer, source lines). The FX graph cache key
+    leaves node meta out: graphs that differ only there (other module names or layer numbers) share an entry."""
+    import hashlib
+
+    from .patterns.base import node_location
+
+    h = hashlib.sha256()
+    seen: dict[tuple[Any, str], tuple[Any, ...]] = {}
+    for n in gm.graph.nodes:
+        stack = n.meta.get("nn_module_stack") or {}
+        k = (list(stack.values())[-1][0] if stack else None, n.meta.get("stack_trace") or "")
+        if k not in seen:
+            seen[k] = node_location(n)
+        h.update(repr(seen[k]).encode())
+    return h.hexdigest()[:16]
+
+
 def _inner_compile_with_reports(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Any:
     """Inductor's inner compile, keeping each graph's rewrite report beside its FX-graph-cache entry.
 
     On a cache miss the pass manager ran and published a report: it is saved under the
-    entry's key. On a hit nothing ran: the saved report is loaded and published.
+    entry's key and the graph's module paths and source lines. On a hit nothing ran: the
+    report saved under both is loaded and published.
     """
     from torch._inductor.compile_fx import compile_fx_inner
 
     last_before = reports()[-1] if reports() else None
+    locations = _locations_digest(gm)  # before the compile: the passes rewrite gm's graph
     compiled = compile_fx_inner(gm, example_inputs, **kwargs)
     key = getattr(compiled, "_fx_graph_cache_key", None)
     ran = bool(reports()) and reports()[-1] is not last_before
     if key is None:
         return compiled
-    path = _report_dir() / f"{key}.json"
+    path = _report_dir() / f"{key}.{locations}.json"
     if ran:
         try:
             reports()[-1].save(path)
@@ -78,6 +98,9 @@ def _inner_compile_with_reports(gm: torch.fx.GraphModule, example_inputs: list[A
             except Exception as e:  # a damaged or older-format file costs the report, not the compile
                 rep = RewriteReport(warnings=[f"graph restored from the FX graph cache; its saved rewrite report "
                                               f"{path} could not be read ({type(e).__name__}: {e})"])
+        elif any(path.parent.glob(f"{key}.*.json")):
+            rep = RewriteReport(warnings=["graph restored from the FX graph cache; its rewrite report was kept for a "
+                                          "graph of other module paths or source lines, so it is not shown"])
         else:
             rep = RewriteReport(warnings=["graph restored from the FX graph cache; its rewrite report was not kept"])
         rep.from_cache = True

@@ -162,3 +162,47 @@ def test_dump_dir_that_cannot_be_written_is_a_report_warning(tmp_path):
     rep = dp.last_report()
     assert rep.sites == {"mhc_post": 1}
     assert any(f"dump_dir {target}: nothing written" in w for w in rep.warnings)
+
+
+class _Post(torch.nn.Module):
+    def forward(self, y, res, post, comb):
+        out = post.unsqueeze(-1) * y.unsqueeze(1) + (comb.unsqueeze(-1) * res.unsqueeze(2)).sum(1)
+        return out.to(torch.bfloat16)
+
+
+class _AttnHolder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn_post = _Post()
+
+    def forward(self, *args):
+        return self.attn_post(*args)
+
+
+class _FfnHolder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ffn_post = _Post()
+
+    def forward(self, *args):
+        return self.ffn_post(*args)
+
+
+def test_fx_graph_cache_hit_does_not_restore_another_models_report(tmp_path, monkeypatch):
+    """The graph cache's key leaves node meta out: two models whose graphs differ only in module paths share an
+    entry, and the second was given the first one's report (its rows naming the other model's modules)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    args = (torch.randn(5, 32).bfloat16(), torch.randn(5, 4, 32).bfloat16(), torch.rand(5, 4), torch.rand(5, 4, 4))
+    cfg = dp.PassConfig(batch_invariant=False, providers=("reference",))
+    with torch._inductor.config.patch(fx_graph_cache=True):
+        torch._dynamo.reset()
+        dp.compile(_AttnHolder(), cfg)(*args)
+        assert [r.location for r in dp.last_report().rows] == ["attn_post"]
+        torch._dynamo.reset()
+        dp.compile(_FfnHolder(), cfg)(*args)
+        rep = dp.last_report()
+        assert not rep.rows and "other module paths" in " ".join(rep.warnings), rep.to_markdown()
+        torch._dynamo.reset()
+        dp.compile(_AttnHolder(), cfg)(*args)  # the same model again: its own report, from the cache
+        rep = dp.last_report()
+        assert rep.from_cache and [r.location for r in rep.rows] == ["attn_post"], rep.to_markdown()
