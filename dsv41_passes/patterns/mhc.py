@@ -219,13 +219,17 @@ def _inductor_drops_bf16_round_trips() -> bool:
 
 def _casts_may_be_dropped() -> str | None:
     """The collapse's bf16 round trip is missing from the graph. Inductor's joint-graph passes remove it where this
-    torch's ``pointless_convert`` drops narrowing round trips (torch 2.11) and ``emulate_precision_casts`` is off; the
-    fused op then restores the program's rounding. Elsewhere the program itself has none, and the op would add it."""
+    torch's ``pointless_convert`` drops narrowing round trips (torch 2.11), ``emulate_precision_casts`` is off and
+    ``pattern_matcher`` on; the fused op then restores the program's rounding. Elsewhere the program itself has none,
+    and the op would add it."""
     import torch._inductor.config as icfg
 
     if getattr(icfg, "emulate_precision_casts", False):
         return ("no bf16 rounding between the collapse and the norm, and Inductor keeps casts "
                 "(emulate_precision_casts): the fused op would add one")
+    if not getattr(icfg, "pattern_matcher", True):  # pointless_convert is one of the joint-graph patterns
+        return ("no bf16 rounding between the collapse and the norm, and Inductor's pattern passes, which drop such "
+                "casts, are off (pattern_matcher=False): the fused op would add one")
     if not _inductor_drops_bf16_round_trips():
         return ("no bf16 rounding between the collapse and the norm, and this torch's Inductor keeps such casts: "
                 "the fused op would add one")

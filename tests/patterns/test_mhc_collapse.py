@@ -156,3 +156,16 @@ def test_without_the_rounding_under_emulated_casts_stays():
     rep = dp.last_report()
     assert rep.sites == {} and "emulate_precision_casts" in rep.skipped[0].reason, rep.to_markdown()
     torch.testing.assert_close(out, _unrounded_collapse_norm(h, pre, w), rtol=0, atol=0)
+
+
+def test_without_the_rounding_when_inductor_pattern_matching_is_off_stays(monkeypatch):
+    """Inductor drops the collapse's round trip in its joint-graph pattern passes, which pattern_matcher=False turns
+    off: a graph without it is then a program without it, even on a torch whose Inductor drops such round trips."""
+    monkeypatch.setattr(mhc_patterns, "_inductor_drops_bf16_round_trips", lambda: True)  # torch 2.11's answer
+    h, pre, w = _args()
+
+    torch._dynamo.reset()
+    out = dp.compile(_unrounded_collapse_norm, REF, options={"pattern_matcher": False})(h, pre, w)
+    rep = dp.last_report()
+    assert rep.sites == {} and "pattern_matcher" in rep.skipped[0].reason, rep.to_markdown()
+    torch.testing.assert_close(out, _unrounded_collapse_norm(h, pre, w), rtol=0, atol=0)
