@@ -90,6 +90,9 @@ class PostGradPassManager(CustomGraphPass):
             "follows_global": self.follows_global,
             # which collapse spellings apply (the graph cache must not serve a graph rewritten under the other answer)
             "drops_bf16_round_trips": mhc_patterns._inductor_drops_bf16_round_trips(),
+            # the report kept beside the cache entry names the providers picked at compile time, and Triton takes
+            # CPU tensors only under the interpreter: a hit must not restore a report from the other setting
+            "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
             "source": source_hash(),
             "versions": _versions(),
         }

@@ -206,3 +206,13 @@ def test_fx_graph_cache_hit_does_not_restore_another_models_report(tmp_path, mon
         dp.compile(_AttnHolder(), cfg)(*args)  # the same model again: its own report, from the cache
         rep = dp.last_report()
         assert rep.from_cache and [r.location for r in rep.rows] == ["attn_post"], rep.to_markdown()
+
+
+def test_uuid_changes_with_the_triton_interpreter(monkeypatch):
+    # the report (kept beside the FX-graph-cache entry) records the provider picked at compile time, and Triton
+    # accepts CPU tensors only under TRITON_INTERPRET=1: a graph compiled under the other setting must not be served
+    # with a report naming providers this process does not run
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    on = _uuid()
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert _uuid() != on
