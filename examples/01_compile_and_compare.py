@@ -5,8 +5,9 @@
 Three sequences of different lengths are packed into one token dimension (cu_seqlens),
 run once eagerly and once through ``dp.compile``. The script prints the rewrite report
 (one row per rewritten or skipped site) and the largest absolute logit difference.
-Runs on CPU in well under a minute; there every site runs the reference provider (the report says why the
-others declined). ``TRITON_INTERPRET=1`` runs the Triton kernels under the interpreter instead (slower).
+Runs on CPU in well under a minute; there every site runs the reference provider (each report row's
+``reason`` says why the others declined; the printed table does not show it). ``TRITON_INTERPRET=1`` runs
+the Triton kernels under the interpreter instead (slower).
 """
 
 import torch
