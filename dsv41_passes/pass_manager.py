@@ -163,7 +163,7 @@ class PostGradPassManager(CustomGraphPass):
             kinds = FAMILY_KINDS.get(fam, ())
             if fam in GROUPS and not any(counts.get(k) for k in kinds):
                 msg = f"family '{fam}' is enabled but rewrote no site in this graph"
-                if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+                if _saves_activations():
                     msg += " (grad mode is on: saved activations block the patterns; compile under inference_mode)"
                 report.warnings.append(msg)
                 log.warning("dsv41: %s", msg)
@@ -175,6 +175,17 @@ class PostGradPassManager(CustomGraphPass):
                 report.warnings.append(msg)
                 log.warning("dsv41: %s", msg)
         publish(report)
+
+
+def _saves_activations() -> bool:
+    """Whether AOTAutograd traced this graph for training (outputs that need a gradient), so its forward saves
+    activations. It compiles that forward with grad off, so ``torch.is_grad_enabled()`` here cannot tell, and it is
+    on for an inference graph compiled outside ``inference_mode`` that saves nothing."""
+    try:
+        ctx = torch._guards.TracingContext.try_get()
+        return bool(getattr(getattr(ctx, "fw_metadata", None), "traced_tangents", None))
+    except Exception:  # noqa: BLE001  (a torch without these internals: no claim)
+        return False
 
 
 def _cleanup(graph: fx.Graph) -> None:

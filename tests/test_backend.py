@@ -171,3 +171,20 @@ def test_a_fixed_size_slot_table_keeps_one_graph_for_every_batch():
         model.reset_cache()
         torch.testing.assert_close(out, eager(model, ids, pos, cu, table), rtol=2e-2, atol=2e-2)
     assert unique_graphs() == 1
+
+
+def test_family_warning_blames_grad_mode_only_for_a_training_graph():
+    # AOTAutograd compiles a training graph's forward with grad off, so the pass cannot read grad mode itself: the
+    # warning has to say so where the forward saves activations, and not where nothing needs a gradient
+    def proj(x, w):
+        return (x @ w).relu()
+
+    suffix = "grad mode is on: saved activations block the patterns"
+    cfg = dp.PassConfig(mhc=False, rope_store=False, batch_invariant=False)
+    x = torch.randn(3, 8)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        for needs_grad, expect in ((True, True), (False, False)):
+            torch._dynamo.reset()
+            torch.compile(proj, options=dp.inductor_options(cfg))(x, torch.randn(8, 8, requires_grad=needs_grad))
+            warnings = [w for w in dp.last_report().warnings if "family 'wo_a'" in w]
+            assert len(warnings) == 1 and (suffix in warnings[0]) is expect, (needs_grad, warnings)
