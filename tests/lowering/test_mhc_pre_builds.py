@@ -18,6 +18,11 @@ FLASH_D = 5120
 ITERS, HC_EPS, NORM_EPS, EPS = 20, 1e-6, 1e-6, 1e-6
 
 
+def _stage_of(step: str, stages: int) -> str:
+    """The source's stage index of ``step`` (TileLang writes a power-of-two modulus as a mask)."""
+    return f"({step} & {stages - 1})" if stages & (stages - 1) == 0 else f"({step} % {stages})"
+
+
 @pytest.mark.parametrize("name", PRE_CONFIG_NAMES)
 def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     """The sm_90a build: one wgmma shape (m64n24k16, the 24 mix columns unpadded), rounding spelled out
@@ -51,7 +56,7 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
         assert "if (((int)threadIdx.x) < 32) {" in src and "tl_shuffle_elect<32>" in src
         assert "tl_shuffle_elect<128>" not in src and "tl_shuffle_elect<256>" not in src
         if rings == 1:
-            assert f"empty[(q & {cfg['stages'] - 1})].wait(" in src and "].arrive();" in src
+            assert f"empty[{_stage_of('q', cfg['stages'])}].wait(" in src and "].arrive();" in src
         else:  # warp w waits on ring w's stages
             assert "if (((int)threadIdx.x) < 64) {" in src
             assert "empty[(((((int)threadIdx.x) >> 5) * 2) + (q & 1))].wait(" in src
@@ -117,8 +122,10 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     else:  # 4 streams x 3 parts (2 with ml48), one wait a step
         assert src.count("wgmma_ss<") == (4 + 4 * len(chains)) * rings and waits == ["0"] * rings
     if ml48:  # hi comes with the stage, [mid; lo] is resident (one [48, 32] box a chunk)
-        assert src.count("tma_load(whi_desc, full[") == 4 and "tma_load(whi_desc, wbar[" not in src
-        assert src.count("tma_load(wmid_desc, wbar[") == 4 and "wlo_desc" not in src
+        # (ml_stream the other way round: hi resident, [mid; lo] with the stage)
+        streamed, kept = ("wmid", "whi") if cfg.get("ml_stream") else ("whi", "wmid")
+        assert src.count(f"tma_load({streamed}_desc, full[") == 4 and f"tma_load({streamed}_desc, wbar[" not in src
+        assert src.count(f"tma_load({kept}_desc, wbar[") == 4 and "wlo_desc" not in src
     assert "tma_load<tl::CacheHintSm90::EVICT_FIRST>(h_desc" in src
     if mcast:
         _check_hi_multicast(src, cfg)
@@ -206,8 +213,10 @@ def _check_hi_multicast(src: str, cfg: dict) -> None:
     assert [src.count(f"empty[{i}].init({consumers + (n - 1) * consumers // 32});") for i in range(4)] == [1] * 4
     # rank 0 multicasts each stream's hi chunk to the n CTAs (the others only expect its bytes), and the resident
     # [mid; lo] tiles once at the start
-    assert src.count("tl::tma_load_multicast(whi_desc, full[") == 4 and src.count(f"(uint16_t)({2 ** n - 1})") == 8
-    assert src.count("tl::tma_load_multicast(wmid_desc, wbar[") == 4
+    streamed, kept = ("wmid", "whi") if cfg.get("ml_stream") else ("whi", "wmid")
+    assert src.count(f"tl::tma_load_multicast({streamed}_desc, full[") == 4
+    assert src.count(f"(uint16_t)({2 ** n - 1})") == 8
+    assert src.count(f"tl::tma_load_multicast({kept}_desc, wbar[") == 4
     producer = src[src.index("for (int q = 0;"):src.index("if (128 <= ((int)threadIdx.x)) {")]
     # the residual's four copies under the row block's test (q / 10 below this CTA's own count of blocks)
     guard = producer.index("if ((q / 10) < ")
@@ -359,7 +368,8 @@ def test_boundary_build(opts, tmp_path, monkeypatch):
             assert (tail.index("empty[") < xs) == bool(cfg.get("vec_release_early"))
             # the thread's arrival (and with a CTA pair its warp's one on the other CTA's barrier)
             assert tail.count("empty[") == (2 if cfg.get("hi_multicast") else 1)
-    assert re.search(r"tl::fence_proxy_async\(\);\s*ready\[\([^\]]* & 3\)\]\.arrive\(\);", vector)
+    ready = re.escape(f"ready[{_stage_of('t', cfg['stages'])}].arrive();")
+    assert re.search(r"tl::fence_proxy_async\(\);\s*" + ready, vector)
     # post_prefetch k: the next block's post and comb rows and the pre row after into L1 at step 10 - k, the only ones
     assert vector.count("dsv41_prefetch_l1(") == (3 if cfg.get("post_prefetch") else 0)
     if cfg.get("post_prefetch"):

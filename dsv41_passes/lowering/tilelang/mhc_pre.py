@@ -232,6 +232,14 @@ CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-pf2-sl"] = dict(
 # of its loop for a stage and the producer 64-71% of its time (timers) for a free one
 CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve"] = dict(CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re"],
                                                               vec_release_early=True)
+# hi resident and [mid; lo] streamed with the stage (``ml_stream``): 60 KiB resident instead of 120, so a fifth stage
+# fits (in the boundary 221 of the 227 KiB), for twice the weight bytes a step from L2 (run 190: without the weight
+# stream at all the mhc_pre was 1.8% faster). In the boundary both roles wait for a stage (run 200: the vector role
+# 25% of its loop, the dots 21% of their samples) while the producer waits for a free one
+CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re-ms5"] = dict(CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re"], ml_stream=True,
+                                                      stages=5)
+CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ms5"] = dict(CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re"],
+                                                               ml_stream=True, stages=5)
 # Not kept (measured in runs 173-174 and 179-181, code not in the tree): the row's x loaded before its partials are
 # polled; the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role); the row
 # block's pre weights brought by TMA with its first stage; one stage-barrier arrival a warp instead of a thread;
@@ -243,7 +251,7 @@ CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve"] = dict(CONFIGS["wg1-spli
 # Run 192 measured the fused finish's after its fix: the op 1.495 / 0.3831 / 0.0985 / 0.0528 ms against the default's
 # 1.508 / 0.3737 / 0.0973 / 0.0506 at M = 65536 / 16384 / 4096 / 2048 (-hn3-mc-ff: 1.549 / 0.3933 / 0.1028 / 0.0544),
 # the same bits: not kept.
-UNMEASURED: tuple[str, ...] = ()
+UNMEASURED: tuple[str, ...] = ("wg1-split-v2-ml-pk-dd-xh-hn3-re-ms5",)
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
 _ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-ml-pk-dd-xh-hn3-re")
 if _ENV_CONFIG not in CONFIGS:

@@ -123,7 +123,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
           xss_by_row: bool = False, boundary: bool = False, post_tma_store: bool = False, packed_cvt: bool = False,
           ml48: bool = False, held_norm: int = 0, held_prepoll: bool = False, hi_multicast: int = 0,
           fused_finish: bool = False, finish_consts: tuple | None = None, dots_release_early: bool = False,
-          post_prefetch: int = 0, post_store_late: bool = False, vec_release_early: bool = False):
+          post_prefetch: int = 0, post_store_late: bool = False, vec_release_early: bool = False,
+          ml_stream: bool = False):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
@@ -156,6 +157,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     ``post_store_late`` (the boundary with the normalizing warps, without ``post_tma_store``; ignored without the
     boundary): the new residual's global stores issued at the end of the vector role's step, after the x stores,
     instead of right after ``ready``;
+    ``ml_stream`` (``ml48``): the other way round, hi resident and the [mid; lo] part streamed with the stage (a
+    [48, 32] chunk a stream and step): 60 KiB of shared memory resident instead of 120, so a fifth stage fits, for
+    twice the weight bytes streamed from L2 a step; the same products;
     ``vec_release_early`` (split roles, the normalizing warps; the boundary without ``post_tma_store``): the vector
     role releases its stage once it has nothing more to do with it, after its loads of the stage or, with the boundary,
     after its post's ``ready`` arrival, instead of at the end of its step (``held_norm`` does so without the boundary);
@@ -233,6 +237,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                          "mid part resident and the vector role")
     if ml48 and not (split_roles and mid_resident):
         raise ValueError("TileLang mhc_pre: ml48 needs split roles and the mid part resident")
+    if ml_stream and not ml48:
+        raise ValueError("TileLang mhc_pre: ml_stream streams ml48's [mid; lo] part: it needs ml48")
     if held_norm and not (split_roles and vec_wgs == 2 and packed_cvt and not norm_wg
                           and 1 <= held_norm <= d // NUM_SLICES // 32):
         raise ValueError("TileLang mhc_pre: held_norm (1 to the chunks a slice) needs split roles, two vector "
@@ -279,7 +285,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         producer=producer, post_tma_store=post_tma_store, packed_cvt=packed_cvt, ml48=ml48, held_norm=held_norm,
         held_prepoll=held_prepoll, hi_multicast=hi_multicast, fused_finish=fused_finish, finish_consts=finish_consts,
         dots_release_early=dots_release_early, post_prefetch=post_prefetch, post_store_late=post_store_late,
-        vec_release_early=vec_release_early)
+        vec_release_early=vec_release_early, ml_stream=ml_stream)
     mc = kernel_macros(T, geo)
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
     issue, resident, normalize_blocks = mc.issue, mc.resident, mc.normalize_blocks
@@ -307,7 +313,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                 s = cta % S
                 g = cta // S
             # resident parts, one [24, DS] tile a stream (laid out as DS/32 swizzled [24, 32] chunks)
-            if ml48:  # [mid; lo], one [48, DS] tile a stream; hi streams with the stage (in lo0..lo3)
+            if ml48 and not ml_stream:  # [mid; lo], one [48, DS] tile a stream; hi streams with the stage (lo0..3)
                 md0 = T.alloc_shared((2 * NMIX, ds), bf16)
                 md1 = T.alloc_shared((2 * NMIX, ds), bf16)
                 md2 = T.alloc_shared((2 * NMIX, ds), bf16)
@@ -319,6 +325,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                 hi1 = T.alloc_shared((NMIX, ds), bf16)
                 hi2 = T.alloc_shared((NMIX, ds), bf16)
                 hi3 = T.alloc_shared((NMIX, ds), bf16)
+            if ml_stream:  # [mid; lo] streams with the stage (in lo0..lo3)
+                md0, md1, md2, md3, mds = hi0, hi1, hi2, hi3, hi0  # (not read)
             if mid_resident and not ml48:
                 md0 = T.alloc_shared((NMIX, ds), bf16)
                 md1 = T.alloc_shared((NMIX, ds), bf16)
@@ -328,15 +336,17 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
             elif not mid_resident:  # streamed: [stage, stream, 24, 32]
                 mds = T.alloc_shared((stages, HC, NMIX, bk), bf16)
                 md0 = md1 = md2 = md3 = mds
-            # stages: the four streams' [bm, 32] chunk of a row block and the lo part's [24, 32] chunks
+            # stages: the four streams' [bm, 32] chunk of a row block and the streamed part's [24, 32] chunks ([48, 32]
+            # with ml_stream)
+            nlo = 2 * NMIX if ml_stream else NMIX
             a0 = T.alloc_shared((stages * rings, bm, bk), bf16)
             a1 = T.alloc_shared((stages * rings, bm, bk), bf16)
             a2 = T.alloc_shared((stages * rings, bm, bk), bf16)
             a3 = T.alloc_shared((stages * rings, bm, bk), bf16)
-            lo0 = T.alloc_shared((stages * rings, NMIX, bk), bf16)
-            lo1 = T.alloc_shared((stages * rings, NMIX, bk), bf16)
-            lo2 = T.alloc_shared((stages * rings, NMIX, bk), bf16)
-            lo3 = T.alloc_shared((stages * rings, NMIX, bk), bf16)
+            lo0 = T.alloc_shared((stages * rings, nlo, bk), bf16)
+            lo1 = T.alloc_shared((stages * rings, nlo, bk), bf16)
+            lo2 = T.alloc_shared((stages * rings, nlo, bk), bf16)
+            lo3 = T.alloc_shared((stages * rings, nlo, bk), bf16)
             full = T.alloc_barrier([32 if producer else threads] * (stages * rings))
             wbar = T.alloc_barrier([32 if producer else threads])
             if hi_multicast:  # released by this CTA's consumers and one thread of each warp of the others'
@@ -414,8 +424,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                             st = base + q % stages
                             if q >= stages:  # use n of a stage waits for the release of use n - 1
                                 timed_wait(empty, st, ((q // stages) + 1) % 2, tm, tc, 0)
-                            issue(h, whi if ml48 else wlo, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds,
-                                  full, ring,
+                            streamed = wmid if ml_stream else whi if ml48 else wlo
+                            issue(h, streamed, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds, full, ring,
                                   io_post[0] if boundary else None, ys if boundary else None,
                                   q // nc < nloc if hi_multicast else True)
                         timers_write(xss, g, s, 0, tx, tm)  # (wait on empty, -, total)

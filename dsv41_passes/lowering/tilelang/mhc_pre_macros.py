@@ -21,6 +21,7 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
         g.nrun, g.vals, g.run_col, g.x_hints, g.mid_resident, g.lead, g.nt, g.nring)
     flags, norm_w_smem, norm_prepoll, nmix, stages = g.flags, g.norm_w_smem, g.norm_prepoll, g.nmix, g.stages
     xss_by_row, packed_cvt, ml48 = g.xss_by_row, g.packed_cvt, g.ml48
+    ml_stream = g.ml_stream  # (ml48 with hi resident, [mid; lo] in the stage's lo0..lo3)
     hi_multicast, dots_release_early = g.hi_multicast, g.dots_release_early
     # ``fused_finish``: a warp's publication of a row block's partials (``mhc_pre_finish``)
     count_block = finish_loop(T, g).count_block if g.fused_finish else None
@@ -152,8 +153,8 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
     @T.macro
     def hi_dot(a, hi, lo, sh, st, c):
         """A stream's hi dot of a step (async), from zero (with ``ml48`` the hi chunk came with the stage, in
-        ``lo``)."""
-        if ml48:
+        ``lo``; with ``ml_stream`` it is resident)."""
+        if ml48 and not ml_stream:
             T.wgmma_gemm(a[st, :, :], lo[st, :, :], sh, transpose_B=True, clear_accum=True)
         else:
             T.wgmma_gemm(a[st, :, :], hi[:, c * bk:(c + 1) * bk], sh, transpose_B=True, clear_accum=True)
@@ -162,7 +163,9 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
     def chain_dots(a, md, mds, k, lo, acc_mid, acc_lo, st, c, fresh=False):
         """A stream's mid and lo dots of a step (async), chained over the slice (from zero where ``fresh`` holds:
         ``dots_deferred`` starts a row block's chains by the wgmma, not by clearing the registers)."""
-        if ml48:  # [mid; lo] resident: one n48 wgmma, both chains (acc_mid is [mid | lo])
+        if ml48 and ml_stream:  # [mid; lo] streamed with the stage
+            T.wgmma_gemm(a[st, :, :], lo[st, :, :], acc_mid, transpose_B=True, clear_accum=fresh)
+        elif ml48:  # [mid; lo] resident: one n48 wgmma, both chains (acc_mid is [mid | lo])
             T.wgmma_gemm(a[st, :, :], md[:, c * bk:(c + 1) * bk], acc_mid, transpose_B=True, clear_accum=fresh)
         elif mid_resident:
             T.wgmma_gemm(a[st, :, :], md[:, c * bk:(c + 1) * bk], acc_mid, transpose_B=True, clear_accum=fresh)
@@ -394,12 +397,12 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
         ``hi_multicast`` (``ml48``) rank 0 of the cluster loads [mid; lo] into all its CTAs, which share the slice
         (each expects its bytes; ``wbar`` is used once, after the cluster's sync of the barriers' initialization)."""
         mask = (1 << hi_multicast) - 1 if hi_multicast else None
-        if not ml48:  # (with ml48 hi streams with the stage and wmid is [mid; lo])
-            T.tma_copy(whi[s, 0, :, :], hi0, barrier=wbar[0], leader_scope_threads=lead)
-            T.tma_copy(whi[s, 1, :, :], hi1, barrier=wbar[0], leader_scope_threads=lead)
-            T.tma_copy(whi[s, 2, :, :], hi2, barrier=wbar[0], leader_scope_threads=lead)
-            T.tma_copy(whi[s, 3, :, :], hi3, barrier=wbar[0], leader_scope_threads=lead)
-        if mid_resident:
+        if not ml48 or ml_stream:  # (with ml48 hi streams with the stage and wmid is [mid; lo], unless ml_stream)
+            T.tma_copy(whi[s, 0, :, :], hi0, barrier=wbar[0], leader_scope_threads=lead, cluster_mask=mask)
+            T.tma_copy(whi[s, 1, :, :], hi1, barrier=wbar[0], leader_scope_threads=lead, cluster_mask=mask)
+            T.tma_copy(whi[s, 2, :, :], hi2, barrier=wbar[0], leader_scope_threads=lead, cluster_mask=mask)
+            T.tma_copy(whi[s, 3, :, :], hi3, barrier=wbar[0], leader_scope_threads=lead, cluster_mask=mask)
+        if mid_resident and not ml_stream:
             T.tma_copy(wmid[s, 0, :, :], md0, barrier=wbar[0], leader_scope_threads=lead, cluster_mask=mask)
             T.tma_copy(wmid[s, 1, :, :], md1, barrier=wbar[0], leader_scope_threads=lead, cluster_mask=mask)
             T.tma_copy(wmid[s, 2, :, :], md2, barrier=wbar[0], leader_scope_threads=lead, cluster_mask=mask)
