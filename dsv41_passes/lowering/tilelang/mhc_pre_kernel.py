@@ -424,8 +424,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                             st = base + q % stages
                             if q >= stages:  # use n of a stage waits for the release of use n - 1
                                 timed_wait(empty, st, ((q // stages) + 1) % 2, tm, tc, 0)
-                            streamed = wmid if ml_stream else whi if ml48 else wlo
-                            issue(h, streamed, wmid, q, st, s, g, a0, a1, a2, a3, lo0, lo1, lo2, lo3, mds, full, ring,
+                            # (inline: TileLang names a TMA descriptor after the variable that holds the tensor)
+                            issue(h, wmid if ml_stream else whi if ml48 else wlo, wmid, q, st, s, g, a0, a1, a2, a3,
+                                  lo0, lo1, lo2, lo3, mds, full, ring,
                                   io_post[0] if boundary else None, ys if boundary else None,
                                   q // nc < nloc if hi_multicast else True)
                         timers_write(xss, g, s, 0, tx, tm)  # (wait on empty, -, total)
