@@ -78,6 +78,8 @@ def write_checkpoint(path: Path, cfg: DeepseekV41Config, seed: int = 1) -> None:
 
 
 def run(ckpt: Path) -> None:
+    if not ckpt.exists():
+        raise SystemExit(f"checkpoint {ckpt} does not exist")
     cfg_file = ckpt / "config.json" if ckpt.is_dir() else ckpt.parent / "config.json"
     if cfg_file.exists():
         cfg = DeepseekV41Config.from_json(cfg_file)

@@ -65,6 +65,14 @@ def test_04_load_checkpoint():
     assert _max_error(out) < 0.05, out[-2000:]
 
 
+def test_04_missing_checkpoint_is_a_clear_error(tmp_path):
+    """Before it says anything else (it used to print that it assumed the tiny config first)."""
+    missing = tmp_path / "nope"
+    r = subprocess.run([sys.executable, str(EXAMPLES / "04_load_checkpoint.py"), "--checkpoint", str(missing)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode != 0 and r.stdout == "" and f"checkpoint {missing} does not exist" in r.stderr, r
+
+
 @pytest.mark.slow
 def test_05_serve_loop_one_graph_per_token_regime():
     # the three sequences finish after 1, 2 and 3 decode steps: M = 3 then 2 (the prefill's graph) then 1
