@@ -335,8 +335,17 @@ def match(mm: fx.Node, expect_iters: int) -> tuple[_Walk, fx.Node, fx.Node, fx.N
         v = _val(w.bind[key])
         _need(isinstance(v, torch.Tensor) and v.dtype == torch.float32 and tuple(v.shape) == want,
               f"{key} must be float32 {list(want)}")
+    _need(_graph_input(fn), f"projection weight fn ({fn.name}) is computed in the graph: the kernels cache its "
+          "bf16x3 parts per weight tensor, and a buffer Inductor reuses for another site's fn would get stale parts")
     w.bind.update(iters=iters, hc_eps=float(hc_eps))
     return w, pre, post, c
+
+
+def _graph_input(n: fx.Node) -> bool:
+    """A graph input or constant, directly or through views (a weight whose tensor only changes in place)."""
+    while isinstance(n, fx.Node) and n.op == "call_function" and getattr(n.target, "is_view", False):
+        n = n.args[0]
+    return isinstance(n, fx.Node) and n.op in ("placeholder", "get_attr")
 
 
 def _outside_users(w: _Walk, outputs: set[fx.Node]) -> str | None:

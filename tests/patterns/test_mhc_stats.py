@@ -219,3 +219,40 @@ def sinkhorn_tail(c, iters, eps):
         c = c / (c.sum(-1, keepdim=True) + eps)
         c = c / (c.sum(-2, keepdim=True) + eps)
     return c
+
+
+def test_projection_weight_computed_in_the_graph_stays():
+    """Two sites whose ``fn`` is computed in the graph (a bf16 weight upcast): Inductor may hand both sites one
+    reused buffer, and the kernels' bf16x3 parts are cached per weight tensor, so the second site read the
+    first one's parts (static weights, where the buffers are inference tensors). Such sites keep their subgraph."""
+    def fn(h, w1, w2, scale, base):
+        a = hc_mixes(h, w1.float(), scale, base, 20, HC_EPS, NORM_EPS)
+        b = hc_mixes(h, w2.float(), scale, base, 20, HC_EPS, NORM_EPS)
+        return (*a, *b)
+
+    h, w, scale, base = _args()
+    args = (h, w.bfloat16(), (w.flip(0) * 2).bfloat16(), scale, base)
+    torch._dynamo.reset()
+    config = dp.PassConfig(providers=("triton", "reference"), static_weights=True)
+    out = dp.compile(fn, config)(*args)
+    rep = dp.last_report()
+    for a, b in zip(out, fn(*args)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+    assert rep.sites == {}, rep.to_markdown()
+    assert len(rep.skipped) == 2, rep.to_markdown()
+    assert all("computed in the graph" in r.reason for r in rep.skipped), rep.to_markdown()
+
+
+def test_projection_weight_viewed_from_a_graph_input_fuses():
+    """A view of a graph input (one layer of a stacked weight) is still a weight: the site is rewritten."""
+    def fn(h, stacked, scale, base):
+        return hc_mixes(h, stacked[1], scale, base, 20, HC_EPS, NORM_EPS)
+
+    h, w, scale, base = _args()
+    args = (h, torch.stack([w.flip(0), w]), scale, base)
+    torch._dynamo.reset()
+    out = dp.compile(fn, REF)(*args)
+    rep = dp.last_report()
+    assert rep.sites == {"mhc_stats": 1}, rep.to_markdown()
+    for a, b in zip(out, fn(*args)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
