@@ -238,6 +238,25 @@ def test_warmup_without_tactics_compiles_what_untuned_calls_run(monkeypatch):
     assert tuning.entries() == {}
 
 
+MHC_OPS = {"mhc_post", "mhc_collapse", "mhc_stats", "mhc_pre", "mhc_boundary"}
+
+
+@pytest.mark.parametrize("overrides,declined", [
+    (dict(hidden_size=40), MHC_OPS),  # hidden not a multiple of 16
+    (dict(o_lora_rank=24), {"wo_a"}),  # o_rank not a multiple of 16
+    (dict(head_dim=48, qk_rope_head_dim=8, kv_quant_block=24), {"kv_rope_quant_store", "kv_rope_quant"}),
+])
+def test_warmup_leaves_out_kernels_the_model_shapes_do_not_fit(monkeypatch, overrides, declined):
+    """Shapes a Triton kernel declines (the op runs the reference provider there) have nothing to build: the warm-up
+    crashed inside the kernels instead (an FP8 block of 24: the interpreter's 'arange's range must be a power of 2')."""
+    from dsv41_passes.reference import DeepseekV41Config
+
+    monkeypatch.setenv("DSV41_TACTICS", "off")
+    chosen = dp.warmup(DeepseekV41Config.tiny(num_hidden_layers=1, **overrides), max_tokens=1, device="cpu",
+                       progress=False)
+    assert not declined & set(chosen) and "q_rope_store" in chosen, sorted(chosen)
+
+
 def test_warmup_without_a_triton_device_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="warm-up builds the Triton kernels: cpu tensors need CUDA or TRITON_INTER"):

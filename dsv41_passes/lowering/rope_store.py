@@ -228,9 +228,10 @@ def _kv_rope_quant_reference(kv, weight, eps, cos, sin, block, *, batch_invarian
 
 
 def _kv_triton_why(kv: torch.Tensor, block: int, cache: torch.Tensor | None) -> str | None:
-    why = triton_available(kv)
-    if why:
-        return why
+    return triton_available(kv) or _kv_layout_why(kv, block, cache)
+
+
+def _kv_layout_why(kv: torch.Tensor, block: int, cache: torch.Tensor | None) -> str | None:
     if block % 2 or block & (block - 1):
         return f"FP8 block {block} is not an even power of two"
     return _pair_words_why(kv=kv, **({} if cache is None else dict(cache=cache)))
@@ -297,15 +298,22 @@ def tunables(config, device=None) -> list:
         return tkv.kv_rope_quant(*inputs[:6], batch_invariant=False, config=cfg)
 
     kv_key = dict(d=d, rd=rd, block=block)
-    kv_default = tkv.kv_default_config(d, rd, block)
 
     def kv_untuned(m: int) -> dict:
         return tkv.kv_untuned_config(m, d, rd, block)
 
-    return [
-        Tunable("q_rope_store", dict(h=h, d=d, rd=rd), q_inputs, run_q, tk.CANDIDATES["q_rope_store"], tk.Q_DEFAULT),
-        Tunable("kv_rope_quant_store", kv_key, kv_inputs, run_kv, tkv.CANDIDATES["kv_rope_quant_store"], kv_default,
-                untuned=kv_untuned),
-        Tunable("kv_rope_quant", kv_key, kv_inputs, run_kv_compute, tkv.CANDIDATES["kv_rope_quant"], kv_default,
-                untuned=kv_untuned),
-    ]
+    # only what the Triton provider takes at these shapes (elsewhere the op runs the reference provider)
+    meta = dict(dtype=BF16, device="meta")
+    out = []
+    if _pair_words_why(q=torch.empty(1, h, d, **meta), q_buf=torch.empty(1, hpad, d, **meta)) is None:
+        out.append(Tunable("q_rope_store", dict(h=h, d=d, rd=rd), q_inputs, run_q, tk.CANDIDATES["q_rope_store"],
+                           tk.Q_DEFAULT))
+    if _kv_layout_why(torch.empty(1, d, **meta), block, torch.empty(1, d, **meta)) is None:
+        kv_default = tkv.kv_default_config(d, rd, block)
+        out += [
+            Tunable("kv_rope_quant_store", kv_key, kv_inputs, run_kv, tkv.CANDIDATES["kv_rope_quant_store"],
+                    kv_default, untuned=kv_untuned),
+            Tunable("kv_rope_quant", kv_key, kv_inputs, run_kv_compute, tkv.CANDIDATES["kv_rope_quant"], kv_default,
+                    untuned=kv_untuned),
+        ]
+    return out

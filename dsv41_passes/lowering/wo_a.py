@@ -189,10 +189,15 @@ def tunables(config, device=None) -> list:
         return tl_wo_a.wo_a(*inputs, batch_invariant=False, config=cfg)
 
     key = dict(g=g, r=r, k=k, d=d, rd=rd)
-    out = [Tunable("wo_a", key, make_inputs, run_triton, tk.CANDIDATES["wo_a"], tk.BATCH_INVARIANT_CONFIG,
-                   tk.default_config)]
+    # only the kernels that take these shapes (elsewhere the op runs another provider)
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    o, w = torch.empty(1, h, d, **meta), torch.empty(g * r, k, **meta)
+    out = []
+    if tk.unsupported_reason(o, w, rd) is None:
+        out.append(Tunable("wo_a", key, make_inputs, run_triton, tk.CANDIDATES["wo_a"], tk.BATCH_INVARIANT_CONFIG,
+                           tk.default_config))
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if tilelang_available(torch.empty(0, device=dev)) is None:
+    if tilelang_available(torch.empty(0, device=dev)) is None and tl_wo_a.unsupported_reason(o, w, rd) is None:
         out.append(Tunable(tl_wo_a.TACTIC_OP, key, make_inputs, run_tilelang, tl_wo_a.CANDIDATES[tl_wo_a.TACTIC_OP],
                            tl_wo_a.BATCH_INVARIANT_CONFIG, lambda m: tl_wo_a.untuned_config(m, g * r, k // d)))
     return out
