@@ -74,7 +74,9 @@ def _inner_compile_with_reports(gm: torch.fx.GraphModule, example_inputs: list[A
 
     On a cache miss the pass manager ran and published a report: it is saved under the
     entry's key and the graph's module paths and source lines. On a hit nothing ran: the
-    report saved under both is loaded and published.
+    report saved under both is loaded and published; where only a graph of the same code at
+    other module paths or source lines left one, that one is, with a warning that its rows
+    name those (its sites are this graph's: the passes do not read those paths).
     """
     from torch._inductor.compile_fx import compile_fx_inner
 
@@ -92,15 +94,18 @@ def _inner_compile_with_reports(gm: torch.fx.GraphModule, example_inputs: list[A
         except OSError:
             pass
     else:
-        if path.exists():
+        other = None if path.exists() else next(iter(sorted(path.parent.glob(f"{key}.*.json"))), None)
+        if path.exists() or other is not None:
             try:
-                rep = RewriteReport.load(path)
+                rep = RewriteReport.load(other or path)
             except Exception as e:  # a damaged or older-format file costs the report, not the compile
                 rep = RewriteReport(warnings=[f"graph restored from the FX graph cache; its saved rewrite report "
-                                              f"{path} could not be read ({type(e).__name__}: {e})"])
-        elif any(path.parent.glob(f"{key}.*.json")):
-            rep = RewriteReport(warnings=["graph restored from the FX graph cache; its rewrite report was kept for a "
-                                          "graph of other module paths or source lines, so it is not shown"])
+                                              f"{other or path} could not be read ({type(e).__name__}: {e})"])
+            else:
+                if other is not None:
+                    rep.warnings.append("graph restored from the FX graph cache; its rewrite report was kept for a "
+                                        "graph of the same code at other module paths or source lines: the sites "
+                                        "are this graph's, the rows' locations that graph's")
         else:
             rep = RewriteReport(warnings=["graph restored from the FX graph cache; its rewrite report was not kept"])
         rep.from_cache = True
