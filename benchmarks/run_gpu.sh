@@ -8,9 +8,9 @@
 # mhc_isolated takes those with a cross-CTA protocol of their own (hi_multicast clusters, fused_finish counters) one
 # at a time, their bits and their probe (the whole op, kernel and stats, against the default's) each in its own
 # process with a short limit (a barrier that never completes costs that process only); mhc_boundary_isolated does the
-# same for the fused boundary (the default, with the vector role's early release, with five stages); mhc_boundary_timers
-# has the fused boundary's roles count their waits (clock64 timers: where its time goes; with the vector role's early
-# release, with five stages, without the post's arithmetic, without the norm); mhc_boundary_ncu samples its warps'
+# same for the fused boundary (the default, without the vector role's early release, with five stages);
+# mhc_boundary_timers has the fused boundary's roles count their waits (clock64 timers: where its time goes; without
+# the vector role's early release, with five stages, without the post's arithmetic, without the norm); mhc_boundary_ncu samples its warps'
 # states by SASS instruction (Nsight Compute); mhc_stats_kernel tests and times the TileLang mhc_pre's stats kernel (one
 # row a thread) against the finish kernel's stats programs it replaced.
 # Each stage runs in its own process with a time limit and the run goes on when one fails; logs and JSON land in $OUT.
@@ -79,20 +79,20 @@ for s in $stages; do
           ${UNMEASURED_MS:-65536,16384,4096},2048 --op "$n"
       done ;;
     mhc_boundary_isolated)  # the fused boundary (weight stream multicast to CTA pairs since run 191, the dots' early
-      # release since run 192), the same with the vector role's early release and with [mid; lo] streamed in five
-      # stages: their bits, then timed
+      # release since run 192, the vector role's since run 207), the same without the vector role's and with [mid; lo]
+      # streamed in five stages: their bits, then timed
       b=wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc
       run mhc_boundary_isolated_tests ${ISOLATED_LIMIT:-150} python3 -m pytest -q -m gpu \
         tests/lowering/test_mhc_pre_tilelang.py -p no:cacheprovider -rfE \
         -k "fused_boundary_matches and (default or vec_release_early or ml_stream or dots_release_early) and not (hi_multicast)"
       [ $? -eq 124 ] || run mhc_boundary_isolated ${BOUNDARY_LIMIT:-240} python3 benchmarks/probe_mhc_boundary.py \
-        --no-fused --no-post-collapse --tilelang --tilelang-configs $b,$b-re-ve,$b-re-ms5 \
+        --no-fused --no-post-collapse --tilelang --tilelang-configs $b-re,$b-re-ve,$b-re-ms5 \
         ${BOUNDARY_MS:-65536 16384 4096} ;;
-    mhc_boundary_timers)  # with the vector role's early release, and with cuts: how fast the rest runs without the
-      # post's arithmetic / the norm (the vector role cannot be cut in the boundary, its post feeds the dots; a nodots
-      # build fails TileLang's layout inference)
+    mhc_boundary_timers)  # without the vector role's early release, with five stages, and with cuts: how fast the
+      # rest runs without the post's arithmetic / the norm (the vector role cannot be cut in the boundary, its post
+      # feeds the dots; a nodots build fails TileLang's layout inference)
       run mhc_boundary_timers ${TIMERS_LIMIT:-180} python3 benchmarks/probe_mhc_pre_diag.py \
-        ${TIMERS_MS:-65536,16384} --boundary --with-timers 've={"vec_release_early": true}' \
+        ${TIMERS_MS:-65536,16384} --boundary --with-timers 'nove={"vec_release_early": false}' \
         'ms5={"ml_stream": true, "stages": 5}' 'nopostmath={"diag": "nopostmath"}' 'nonorm={"diag": "nonorm"}' ;;
     mhc_boundary_ncu)  # Nsight Compute's warp states by SASS instruction, the fused boundary's kernel at M = 65536
       rep="${TMPDIR:-/tmp}/boundary-ncu"

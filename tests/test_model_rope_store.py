@@ -213,11 +213,27 @@ def test_gpu_tiny_model_in_place_and_correct():
     assert dp.last_report().sites == {"q_rope_store": L, "kv_rope_store": L}
     attn = model.layers[0].attn
     assert _no_copy_of(code, tuple(attn.q_buffer.shape)) and _no_copy_of(code, tuple(attn.kv_cache.shape))
-    torch.testing.assert_close(out, ref, rtol=5e-2, atol=5e-2)
+    bufs = _buffers(model)
+    # logits and q against eager, no further off than Inductor without the passes (its CUDA norms already move q and
+    # an FP8 value by a step here and there: absolute bounds of 5e-2 and 2e-2 failed on 1 of 11776 logits and 2 of
+    # 524288 q values in runs 208 and 211, after the tiny model's eps changed), and within 2% of their scale
+    torch._dynamo.reset()
+    model.reset_cache()
+    with torch._inductor.config.patch(force_disable_caches=True), torch.inference_mode():
+        plain = torch.compile(model, options=dict(EMULATE))(*args)
+    plain_bufs = _buffers(model)
+
+    def within(a, b, a_plain, cap=2e-2):  # a no further from b than Inductor's own a_plain (or 1e-3 of b's scale)
+        err, base, scale = ((a - b).abs().max().item(), (a_plain - b).abs().max().item(), b.abs().max().item())
+        assert err <= max(2 * base, 1e-3 * scale) and err <= cap * scale, (err, base, scale)
+
+    within(out, ref, plain)
     # upstream of the fused ops, Inductor's CUDA norms/reductions are not eager's bit for bit, so
     # q differs slightly and an FP8 value can move by a step; the kernels' own numerics are
     # checked exactly at the op level (tests/lowering/test_rope_store.py)
-    for (q, kv), (q_ref, kv_ref) in zip(_buffers(model), ref_bufs):
-        torch.testing.assert_close(q.float(), q_ref.float(), rtol=2e-2, atol=2e-2)
+    for (q, kv), (q_ref, kv_ref), (q_plain, kv_plain) in zip(bufs, ref_bufs, plain_bufs):
+        within(q.float(), q_ref.float(), q_plain.float())
         assert (kv == kv_ref).float().mean() > 0.9
-        torch.testing.assert_close(kv.float(), kv_ref.float(), rtol=0.13, atol=1e-2)
+        # an FP8 step on the block's grid: up to 2^-3 of the largest value (run 213: 0.25 at 4.0, as Inductor's own;
+        # an absolute 1e-2 with rtol 0.13 failed on 1 of 8192 in run 212)
+        within(kv.float(), kv_ref.float(), kv_plain.float(), cap=2**-3)

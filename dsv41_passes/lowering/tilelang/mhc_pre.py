@@ -229,13 +229,19 @@ CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-pf2-sl"] = dict(
 # the boundary's with the vector role's stage released right after its post's ``ready`` arrival (``vec_release_early``),
 # not at the end of its step: in run 200's Nsight Compute samples (H100, M = 65536) the vector role spends 28% of its
 # loop after that arrival, during which its stage stays held although only the dots still read it, while it waits 25%
-# of its loop for a stage and the producer 64-71% of its time (timers) for a free one
+# of its loop for a stage and the producer 64-71% of its time (timers) for a free one. Run 207 (H100,
+# probe_mhc_boundary, us at 65536 / 16384 / 4096): 3384.6 / 860.9 / 225.6 against the default's 3394.8 / 861.4 / 226.2,
+# the timers' probe 3.373 / 0.8429 ms against 3.389 / 0.8456; the same bits (GPU tests at M = 1, 1536, 4097, 65536).
+# 0.1-0.5% faster at every size: the boundary's config since
 CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve"] = dict(CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re"],
                                                               vec_release_early=True)
 # hi resident and [mid; lo] streamed with the stage (``ml_stream``): 60 KiB resident instead of 120, so a fifth stage
 # fits (in the boundary 221 of the 227 KiB), for twice the weight bytes a step from L2 (run 190: without the weight
 # stream at all the mhc_pre was 1.8% faster). In the boundary both roles wait for a stage (run 200: the vector role
-# 25% of its loop, the dots 21% of their samples) while the producer waits for a free one
+# 25% of its loop, the dots 21% of their samples) while the producer waits for a free one. Run 207 (H100, the boundary,
+# us at 65536 / 16384 / 4096): 3630.1 / 926.0 / 239.5 against 3394.8 / 861.4 / 226.2, 6-7% slower, the same bits; the
+# waits for a stage shrank (the vector role's 18% -> 14%, the dots' 15% -> 11%) but every role's step grew: not kept
+# for the boundary (the mhc_pre's -ms5 is not yet measured)
 CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re-ms5"] = dict(CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re"], ml_stream=True,
                                                       stages=5)
 CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ms5"] = dict(CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re"],
@@ -260,8 +266,8 @@ DEFAULT_CONFIG = CONFIGS[_ENV_CONFIG]
 # the fused boundary's (``mhc_boundary``): with the normalizing warps, which take the norm off the vector role that
 # also computes the post (with ``held_norm`` instead, 5-6% slower: run 185), and the weight stream multicast to CTA
 # pairs (run 191, H100, us: 3602 against 3674 at M = 65536, 899 / 912 at 16384, 231.7 / 234.7 at 4096; the same bits),
-# and the dots' early release (run 192, above)
-BOUNDARY_CONFIG = CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re"]
+# the dots' early release (run 192, above) and the vector role's (run 207, above)
+BOUNDARY_CONFIG = CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve"]
 
 
 def _mid_lo(sliced: torch.Tensor) -> torch.Tensor:

@@ -160,7 +160,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     ``ml_stream`` (``ml48``): the other way round, hi resident and the [mid; lo] part streamed with the stage (a
     [48, 32] chunk a stream and step): 60 KiB of shared memory resident instead of 120, so a fifth stage fits, for
     twice the weight bytes streamed from L2 a step; the same products;
-    ``vec_release_early`` (split roles, the normalizing warps; the boundary without ``post_tma_store``): the vector
+    ``vec_release_early`` (the normalizing warps; ignored with ``post_tma_store`` or ``held_norm``): the vector
     role releases its stage once it has nothing more to do with it, after its loads of the stage or, with the boundary,
     after its post's ``ready`` arrival, instead of at the end of its step (``held_norm`` does so without the boundary);
     ``packed_cvt``: the vector role's and the normalizing warps' bf16 <-> f32 conversions by bit operations, two
@@ -227,9 +227,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                          "post_tma_store")
     if "nopostmath" in flags and not (boundary and packed_cvt):
         raise ValueError("TileLang mhc_pre: diag nopostmath is for the boundary with packed_cvt")
-    if vec_release_early and not (split_roles and norm_wg and not post_tma_store):
-        raise ValueError("TileLang mhc_pre: vec_release_early is for split roles with the normalizing warps, without "
-                         "post_tma_store (held_norm releases after its loads already)")
+    # (ignored with post_tma_store, whose stage goes back once its stores have read it, and with held_norm, which
+    # releases after its loads without the boundary)
+    vec_release_early = bool(vec_release_early) and norm_wg and not post_tma_store
     if post_tma_store and not boundary:
         raise ValueError("TileLang mhc_pre: post_tma_store is for the boundary")
     if boundary and not ((norm_wg or held_norm) and mid_resident) or boundary and "novec" in diag:
