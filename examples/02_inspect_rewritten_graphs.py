@@ -140,6 +140,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     cfg = DeepseekV41Config.tiny()
+    if not 0 <= args.layer < cfg.num_hidden_layers:  # (before the compile)
+        ap.error(f"--layer {args.layer}: the tiny model has layers 0 to {cfg.num_hidden_layers - 1}")
     model = DeepseekV41ForCausalLM(cfg, max_num_tokens=512).eval()
     lengths = [7, 30, 12]
     g = torch.Generator().manual_seed(0)

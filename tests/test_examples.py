@@ -65,6 +65,13 @@ def test_04_load_checkpoint():
     assert _max_error(out) < 0.05, out[-2000:]
 
 
+def test_02_layer_out_of_range_is_a_usage_error_before_compiling(tmp_path):
+    r = subprocess.run([sys.executable, str(EXAMPLES / "02_inspect_rewritten_graphs.py"), "--layer", "2", "--out",
+                        str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 2 and "--layer 2: the tiny model has layers 0 to 1" in r.stderr, r
+    assert not (tmp_path / "dump").exists()  # nothing compiled
+
+
 def test_04_missing_checkpoint_is_a_clear_error(tmp_path):
     """Before it says anything else (it used to print that it assumed the tiny config first)."""
     missing = tmp_path / "nope"
