@@ -94,15 +94,15 @@ def _inner_compile_with_reports(gm: torch.fx.GraphModule, example_inputs: list[A
         except OSError:
             pass
     else:
-        other = None if path.exists() else next(iter(sorted(path.parent.glob(f"{key}.*.json"))), None)
-        if path.exists() or other is not None:
+        saved = path if path.exists() else min(path.parent.glob(f"{key}.*.json"), default=None)
+        if saved is not None:
             try:
-                rep = RewriteReport.load(other or path)
+                rep = RewriteReport.load(saved)
             except Exception as e:  # a damaged or older-format file costs the report, not the compile
                 rep = RewriteReport(warnings=[f"graph restored from the FX graph cache; its saved rewrite report "
-                                              f"{other or path} could not be read ({type(e).__name__}: {e})"])
+                                              f"{saved} could not be read ({type(e).__name__}: {e})"])
             else:
-                if other is not None:
+                if saved != path:
                     rep.warnings.append("graph restored from the FX graph cache; its rewrite report was kept for a "
                                         "graph of the same code at other module paths or source lines: the sites "
                                         "are this graph's, the rows' locations that graph's")

@@ -19,7 +19,7 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
         geo.HC, geo.nmix, geo.bk, geo.bm, geo.ds, geo.groups, geo.lag, geo.m, geo.nc, geo.nring, geo.nrun, geo.rings,
         geo.stages, geo.tpr, geo.vals)
     boundary, dots_defer, flags, norm_wg, producer = geo.boundary, geo.dots_defer, geo.flags, geo.norm_wg, geo.producer
-    post_tma_store, packed_cvt, hi_multicast = geo.post_tma_store, geo.packed_cvt, geo.hi_multicast
+    post_tma_store, packed_cvt = geo.post_tma_store, geo.packed_cvt
     vec_early = geo.vec_release_early
     row_rstd, store_x, norm_chunk, load_chunk = mc.row_rstd, mc.store_x, mc.norm_chunk, mc.load_chunk
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
@@ -121,12 +121,8 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
                 if producer:
                     if vec and post_tma_store and lt < 32:  # the stage's TMA stores have read it
                         T.tma_store_wait(0)
-                    if vec and vec_early:
-                        pass  # (released above)
-                    elif hi_multicast:  # (split roles: this is the vector role, the dots' loop is dots_deferred)
+                    if not (vec and vec_early):  # (vec_early: released after its reads of the stage, above)
                         mc.release(b.empty, st, lt, b.rank)
-                    else:
-                        T.mbarrier_arrive(b.empty[st])
                 else:
                     T.sync_threads()
                     if t + stages < nloc * nc:
