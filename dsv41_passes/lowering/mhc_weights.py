@@ -17,7 +17,7 @@ build time. An in-place update (``copy_``, an optimizer step,
 ``load_state_dict``) bumps the counter and the next call rebuilds the parts; a
 freed weight drops its entry. With ``static=True`` (``PassConfig(static_weights=
 True)``) the parts are built once and a changed counter raises before any kernel
-runs. An entry also holds a weak reference to the weight's storage: a parameter
+runs, also where a dynamic caller of the same weight has rebuilt them since. An entry also holds a weak reference to the weight's storage: a parameter
 given new storage (``p.data = t``) rebuilds, even where the new storage lands at
 the old address. Limits: in-place writes through ``.data`` and fused optimizer
 steps (``torch.optim.*(fused=True)``) do not bump the counter (as for autograd):
@@ -86,6 +86,7 @@ class _Entry:
     version: int | None
     parts: torch.Tensor
     storage: Any  # StorageWeakRef of the weight's storage at build time
+    pinned: int | None = None  # the version a static caller first served (kept across a dynamic caller's rebuild)
 
     def same_tensor(self, fn: torch.Tensor) -> bool:
         """The entry's weight is alive and still holds the storage it was built from: a ``.data = new`` on a live
@@ -132,17 +133,19 @@ def bf16x3_parts(fn: torch.Tensor, *, static: bool = False, np_cols: int = NP_DE
     with _LOCK:
         e = _CACHE.get(key)
         alive = e is not None and e.same_tensor(fn)
-        if alive and static:
-            if e.version is not None and ver is not None and ver != e.version:
-                raise RuntimeError(
-                    f"dsv41 mHC: the projection weight fn {tuple(fn.shape)} was updated in place "
-                    f"(version {e.version} -> {ver}), but its derived bf16x3 parts were built once under "
-                    "PassConfig(static_weights=True). Compile with PassConfig(static_weights=False) to let "
-                    "weight updates refresh them, or call dsv41_passes.lowering.mhc_weights.clear_cache() "
-                    "after updating the weights."
-                )
-            return e.parts
-        if alive and ver is not None and ver == e.version:
+        if alive and static and e.pinned is not None and ver is not None and ver != e.pinned:
+            # (also when a dynamic caller of the same weight has rebuilt the parts since: this caller's were
+            # promised never to change)
+            raise RuntimeError(
+                f"dsv41 mHC: the projection weight fn {tuple(fn.shape)} was updated in place "
+                f"(version {e.pinned} -> {ver}), but its derived bf16x3 parts were built once under "
+                "PassConfig(static_weights=True). Compile with PassConfig(static_weights=False) to let "
+                "weight updates refresh them, or call dsv41_passes.lowering.mhc_weights.clear_cache() "
+                "after updating the weights."
+            )
+        if alive and (ver is None and static or ver is not None and ver == e.version):
+            if static and e.pinned is None:
+                e.pinned = ver
             return e.parts
     if ver is None and not static and not _WARNED_INFERENCE[0]:
         _WARNED_INFERENCE[0] = True
@@ -155,7 +158,9 @@ def bf16x3_parts(fn: torch.Tensor, *, static: bool = False, np_cols: int = NP_DE
     parts = build_parts(fn, np_cols)
     ref = weakref.ref(fn, lambda r, k=key: _drop(k, r))
     with _LOCK:
-        _CACHE[key] = _Entry(ref, ver, parts, _storage(fn))
+        old = _CACHE.get(key)
+        pinned = ver if static else (old.pinned if old is not None and old.same_tensor(fn) else None)
+        _CACHE[key] = _Entry(ref, ver, parts, _storage(fn), pinned)
         _STATS["builds"] += 1
     return parts
 

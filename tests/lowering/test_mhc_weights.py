@@ -124,6 +124,28 @@ def test_static_weights_build_once_and_reject_updates():
     assert torch.equal(mw.bf16x3_parts(fn, static=True), _reference_parts(fn))
 
 
+def test_static_weights_reject_an_update_that_a_dynamic_caller_refreshed():
+    """Two compiles of one model, static and dynamic: the dynamic one's rebuild after an update must not make the
+    static one's check pass (its parts were promised never to change)."""
+    fn = torch.nn.Parameter(torch.randn(24, 128))
+    mw.bf16x3_parts(fn)  # a dynamic caller first: the static one pins the version it first serves
+    p = mw.bf16x3_parts(fn, static=True)
+    with torch.no_grad():
+        fn.mul_(2)
+    assert torch.equal(mw.bf16x3_parts(fn), _reference_parts(fn))  # the dynamic caller refreshes
+    with pytest.raises(RuntimeError, match=r"version \d+ -> \d+.*static_weights=True"):
+        mw.bf16x3_parts(fn, static=True)
+    assert not torch.equal(p, _reference_parts(fn))
+    # a static caller that first comes after an update (the entry stale) builds fresh parts and pins them
+    fn2 = torch.nn.Parameter(torch.randn(24, 128))
+    mw.bf16x3_parts(fn2)
+    with torch.no_grad():
+        fn2.add_(1)
+    assert torch.equal(mw.bf16x3_parts(fn2, static=True), _reference_parts(fn2))
+    assert torch.equal(mw.bf16x3_parts(fn2), _reference_parts(fn2))
+    mw.clear_cache()
+
+
 def test_inference_tensors_are_rebuilt_every_call_with_a_warning():
     with torch.inference_mode():
         fn = torch.randn(24, 128)
