@@ -37,6 +37,8 @@ def main() -> None:
     nxt = [logits[e - 1].argmax().item() for e in cu[1:].tolist()]
     for step in range(args.steps):
         active = [b for b in range(len(seqs)) if step < args.new_tokens[b]]  # sequences finish at different steps
+        if not active:  # every sequence has finished (--steps past the largest --new-tokens): no empty batch
+            break
         for b in active:
             seqs[b].append(nxt[b])
         ids = torch.tensor([nxt[b] for b in active])

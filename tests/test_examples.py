@@ -91,6 +91,13 @@ def test_05_serve_loop_one_graph_per_token_regime():
 
 
 @pytest.mark.slow
+def test_05_serve_loop_stops_when_every_sequence_has_finished():
+    # --steps past the largest --new-tokens: the loop used to run the model on an empty batch and crash
+    out = _run("05_serve_loop.py", "--steps", "3", "--new-tokens", "1", "1", "1")
+    assert re.findall(r"^step \d+: (\d+) active", out, re.M) == ["3"], out[-2000:]
+
+
+@pytest.mark.slow
 def test_06_install_into_inductor():
     out = _run("06_install_into_inductor.py")
     assert "rewritten sites: mhc_post: 1, mhc_stats: 1" in out, out[-2000:]
