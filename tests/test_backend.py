@@ -125,6 +125,20 @@ def test_pass_config_validation():
     assert dp.PassConfig(providers=["triton", "reference"]).providers == ("triton", "reference")
 
 
+def test_pass_config_flags_are_bools():
+    # a string is truthy whatever it says: batch_invariant="false" compiled in batch-invariant mode
+    with pytest.raises(ValueError, match="batch_invariant must be True, False or None, got 'false'"):
+        dp.PassConfig(batch_invariant="false")
+    with pytest.raises(ValueError, match="static_weights must be True or False, got 'no'"):
+        dp.PassConfig(static_weights="no")
+    # numpy's bool (a flag read from an array) is kept as a bool: it failed the uuid's JSON inside the compile
+    np = pytest.importorskip("numpy")
+    cfg = dp.PassConfig(mhc=np.bool_(True), batch_invariant=np.bool_(False))
+    assert cfg.mhc is True and cfg.batch_invariant is False
+    assert dp.pass_manager.PostGradPassManager(cfg).uuid() == \
+        dp.pass_manager.PostGradPassManager(dp.PassConfig(batch_invariant=False)).uuid()
+
+
 def test_register_twice_and_through_the_entry_point():
     """``dp.register()`` may be called again (the import already registered the backend), and a process that
     names the backend before importing the package gets it through the entry point."""
