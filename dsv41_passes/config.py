@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,8 +58,12 @@ class PassConfig:
         bad = [p for p in provs if p not in _PROVIDERS]
         if bad:
             raise ValueError(f"PassConfig.providers: unknown {bad} (choose from {_PROVIDERS})")
-        if self.hc_sinkhorn_iters < 1:
-            raise ValueError("PassConfig.hc_sinkhorn_iters must be >= 1")
+        iters = self.hc_sinkhorn_iters
+        # operator.index takes ints and numpy's (kept as int: the uuid is JSON), no float or string
+        if isinstance(iters, bool) or not hasattr(type(iters), "__index__") or operator.index(iters) < 1:
+            raise ValueError(f"PassConfig.hc_sinkhorn_iters must be an int >= 1 (the model's Sinkhorn count), got "
+                             f"{iters!r}")
+        object.__setattr__(self, "hc_sinkhorn_iters", operator.index(iters))
         if not provs or provs[-1] != "reference" or len(set(provs)) != len(provs):
             raise ValueError(f"PassConfig.providers must name each provider once and end with 'reference', the last "
                              f"resort (a provider after it never runs), got {provs}")

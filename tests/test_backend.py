@@ -139,6 +139,22 @@ def test_pass_config_flags_are_bools():
         dp.pass_manager.PostGradPassManager(dp.PassConfig(batch_invariant=False)).uuid()
 
 
+@pytest.mark.parametrize("bad", ["20", 20.0, 2.5, True, 0])
+def test_pass_config_sinkhorn_iters_is_an_int(bad):
+    # "20" raised a bare "'<' not supported"; a float was accepted and no stats site could ever match it
+    with pytest.raises(ValueError, match="hc_sinkhorn_iters must be an int >= 1"):
+        dp.PassConfig(hc_sinkhorn_iters=bad)
+
+
+def test_pass_config_keeps_a_numpy_sinkhorn_count_as_an_int():
+    # numpy's int (read from an array) failed the uuid's JSON inside the compile
+    np = pytest.importorskip("numpy")
+    cfg = dp.PassConfig(hc_sinkhorn_iters=np.int64(20), batch_invariant=False)
+    assert type(cfg.hc_sinkhorn_iters) is int
+    assert dp.pass_manager.PostGradPassManager(cfg).uuid() == \
+        dp.pass_manager.PostGradPassManager(dp.PassConfig(batch_invariant=False)).uuid()
+
+
 def test_register_twice_and_through_the_entry_point():
     """``dp.register()`` may be called again (the import already registered the backend), and a process that
     names the backend before importing the package gets it through the entry point."""
