@@ -243,6 +243,11 @@ def warmup(
     from .config import PassConfig
     from .lowering import tunables_for
 
+    if isinstance(config_or_model, PassConfig):
+        raise TypeError("dsv41 warm-up takes the model's config (a DeepseekV41Config) or the model; a PassConfig goes "
+                        "to pass_config=")
+    if pass_config is not None and not isinstance(pass_config, PassConfig):
+        raise TypeError(f"dsv41 warm-up: pass_config must be a PassConfig, got {type(pass_config).__name__}")
     cfg = getattr(config_or_model, "config", config_or_model)
     pc = pass_config or PassConfig()
     bi = pc.resolved_batch_invariant()

@@ -263,6 +263,14 @@ def test_warmup_without_a_triton_device_is_a_clear_error(monkeypatch):
         dp.warmup(_tiny(), max_tokens=2, device="cpu", progress=False)
 
 
+def test_warmup_given_a_pass_config_for_the_model_says_where_it_goes():
+    # dp.warmup(dp.PassConfig()) failed with "'PassConfig' object has no attribute 'hc_mult'"
+    with pytest.raises(TypeError, match="the model's config .* pass_config="):
+        dp.warmup(dp.PassConfig(), max_tokens=2, device="cpu", progress=False)
+    with pytest.raises(TypeError, match="pass_config must be a PassConfig"):
+        dp.warmup(_tiny(), max_tokens=2, pass_config=_tiny(), device="cpu", progress=False)
+
+
 def _tiny():
     from dsv41_passes.reference import DeepseekV41Config
 
