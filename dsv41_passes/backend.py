@@ -21,6 +21,17 @@ from .pass_manager import PostGradPassManager
 from .report import RewriteReport, publish, reports
 
 
+def _pass_config(config: Any, where: str) -> PassConfig:
+    """``config``, or the default PassConfig for None; anything else (e.g. a dict of Inductor options given in its
+    place) is a TypeError here rather than an AttributeError at the first compile."""
+    if config is None:
+        return PassConfig()
+    if not isinstance(config, PassConfig):
+        raise TypeError(f"{where}: config must be a dsv41_passes.PassConfig, got {type(config).__name__} "
+                        f"(Inductor options go to options=)")
+    return config
+
+
 def inductor_options(config: PassConfig | None = None) -> dict[str, Any]:
     """Inductor config patches installing the passes (``torch.compile(options=...)``,
     ``compile_fx(config_patches=...)``).
@@ -31,7 +42,7 @@ def inductor_options(config: PassConfig | None = None) -> dict[str, Any]:
     """
     import torch._inductor.config as icfg
 
-    config = config or PassConfig()
+    config = _pass_config(config, "inductor_options")
     manager = PostGradPassManager(config)
     opts: dict[str, Any] = {"post_grad_custom_post_pass": manager}
     if config.dump_dir and hasattr(icfg, "fx_graph_cache"):
@@ -115,7 +126,7 @@ def _inner_compile_with_reports(gm: torch.fx.GraphModule, example_inputs: list[A
 
 def make_backend(config: PassConfig | None = None, options: dict[str, Any] | None = None) -> Callable[..., Any]:
     """A Dynamo backend running Inductor with the dsv41 passes (plus extra Inductor ``options``)."""
-    config = config or PassConfig()
+    config = _pass_config(config, "make_backend")
     user_opts = dict(options or {})
     if "post_grad_custom_post_pass" in user_opts:
         raise ValueError("options may not set post_grad_custom_post_pass: the dsv41 pass manager owns it")
@@ -193,7 +204,7 @@ def compile(model_or_fn: Any, config: PassConfig | None = None, **torch_compile_
 
     ``options=`` adds Inductor options; other keyword arguments go to ``torch.compile``.
     """
-    config = config or PassConfig()
+    config = _pass_config(config, "dsv41_passes.compile")
     options = dict(torch_compile_kwargs.pop("options", None) or {})
     if torch_compile_kwargs.pop("backend", None) is not None:
         raise ValueError("dsv41_passes.compile chooses the backend; use torch.compile(backend='dsv41') instead")

@@ -139,6 +139,14 @@ def test_pass_config_flags_are_bools():
         dp.pass_manager.PostGradPassManager(dp.PassConfig(batch_invariant=False)).uuid()
 
 
+def test_a_config_that_is_not_a_pass_config_is_refused_at_once():
+    # dp.compile(model, {options}) failed only at the first call, with "'dict' object has no attribute
+    # 'resolved_batch_invariant'"
+    for make in (lambda c: dp.compile(lambda x: x * 2, c), dp.make_backend, dp.inductor_options):
+        with pytest.raises(TypeError, match="config must be a dsv41_passes.PassConfig, got dict"):
+            make({"fx_graph_cache": False})
+
+
 @pytest.mark.parametrize("bad", ["20", 20.0, 2.5, True, 0])
 def test_pass_config_sinkhorn_iters_is_an_int(bad):
     # "20" raised a bare "'<' not supported"; a float was accepted and no stats site could ever match it
