@@ -32,6 +32,8 @@ class batch_invariant:  # noqa: N801  (used like a function)
     """Turn batch-invariant mode on (or off); as a context manager, restore the old mode on exit."""
 
     def __init__(self, enabled: bool = True) -> None:
+        if isinstance(enabled, str) or enabled not in (True, False):  # a string is truthy whatever it says ("0")
+            raise ValueError(f"batch_invariant(enabled): True or False, got {enabled!r}")
         self.enabled = bool(enabled)
         self.previous = _STATE["batch_invariant"]
         _set(self.enabled)

@@ -132,6 +132,14 @@ def test_context_object_entered_later_or_again_applies_its_mode():
     assert not dp.is_batch_invariant()
 
 
+@pytest.mark.parametrize("value", ["0", "false", None, [True]])
+def test_setter_refuses_what_is_not_a_bool(value):
+    # dp.batch_invariant("0") turned the mode on: a string is truthy whatever it says
+    with pytest.raises(ValueError, match="True or False"):
+        dp.batch_invariant(value)
+    assert not dp.is_batch_invariant()
+
+
 @pytest.mark.parametrize("value,want", [(" 1 ", True), ("1\n", True), ("TRUE", True), ("0", False), ("", False)])
 def test_env_value_with_spaces(monkeypatch, value, want):
     from dsv41_passes import guards, tuning
