@@ -219,3 +219,24 @@ def test_uuid_changes_with_the_triton_interpreter(monkeypatch):
     on = _uuid()
     monkeypatch.delenv("TRITON_INTERPRET")
     assert _uuid() != on
+
+
+@torch.library.custom_op("dsv41_test::copy", mutates_args=())
+def _other_namespace_copy(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+def test_report_graph_marks_only_the_dsv41_namespace_fused():
+    """An op of another namespace whose name holds "dsv41" (examples/03's dsv41_bench::stand_in) was marked fused, so
+    ``networkx()`` / ``rewritten_region()`` (the CLI's GraphML and DOT) drew it as one of ours."""
+    import torch.fx as fx
+
+    from dsv41_passes.report import graph_to_node_link
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    other = g.call_function(torch.ops.dsv41_test.copy.default, (x,))
+    ours = g.call_function(torch.ops.dsv41.mhc_post.default, (other,))
+    g.output(ours)
+    rep = dp.RewriteReport(graph_json=graph_to_node_link(g))
+    assert {n for n, a in rep.networkx().nodes(data=True) if a["fused"]} == {ours.name}
