@@ -100,9 +100,13 @@ class RewriteReport:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.to_json(), f)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(self.to_json(), f)
+            os.replace(tmp, path)
+        finally:  # (a path that is a directory: nothing left behind)
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "RewriteReport":

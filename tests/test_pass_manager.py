@@ -240,3 +240,11 @@ def test_report_graph_marks_only_the_dsv41_namespace_fused():
     g.output(ours)
     rep = dp.RewriteReport(graph_json=graph_to_node_link(g))
     assert {n for n, a in rep.networkx().nodes(data=True) if a["fused"]} == {ours.name}
+
+
+def test_report_saved_to_a_directory_leaves_nothing_behind(tmp_path):
+    target = tmp_path / "report"
+    target.mkdir()
+    with pytest.raises(OSError):
+        dp.RewriteReport().save(target)
+    assert [p.name for p in tmp_path.iterdir()] == ["report"]  # (the temporary file was left beside it)
