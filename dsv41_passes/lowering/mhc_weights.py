@@ -17,12 +17,13 @@ build time. An in-place update (``copy_``, an optimizer step,
 ``load_state_dict``) bumps the counter and the next call rebuilds the parts; a
 freed weight drops its entry. With ``static=True`` (``PassConfig(static_weights=
 True)``) the parts are built once and a changed counter raises before any kernel
-runs, also where a dynamic caller of the same weight has rebuilt them since. An entry also holds a weak reference to the weight's storage: a parameter
-given new storage (``p.data = t``) rebuilds, even where the new storage lands at
-the old address. Limits: in-place writes through ``.data`` and fused optimizer
-steps (``torch.optim.*(fused=True)``) do not bump the counter (as for autograd):
-call ``clear_cache()`` after them; inference tensors have no counter (their parts
-are rebuilt on every call, with a warning, unless static).
+runs, also where a dynamic caller of the same weight has rebuilt them since. An
+entry also holds a weak reference to the weight's storage: a parameter given new
+storage (``p.data = t``) rebuilds, even where the new storage lands at the old
+address. Limits: in-place writes through ``.data`` and fused optimizer steps
+(``torch.optim.*(fused=True)``) do not bump the counter (as for autograd): call
+``clear_cache()`` after them; inference tensors have no counter (their parts are
+rebuilt on every call, with a warning, unless static).
 """
 
 from __future__ import annotations
