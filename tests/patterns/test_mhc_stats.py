@@ -33,12 +33,16 @@ def _run(fn, config=REF, m=9):
 
 
 def _variant(*, rms="mean_square", proj="linear", fold="after", softmax="softmax", post2="left", order="flat_first",
-             iters=20, eps=HC_EPS, last_eps=None, end_on_row=False, pre_alpha=None, last_alpha=None, pre_step=1):
+             iters=20, eps=HC_EPS, last_eps=None, end_on_row=False, pre_alpha=None, last_alpha=None, pre_step=1,
+             dtype_at=None):
+    def acc(at):  # a reduction with a dtype: the RMS mean, the softmax sum or the last row step's sum
+        return {"dtype": torch.float64} if at is not None and at == dtype_at else {}
+
     def fn(h, fn_w, scale, base):
         n = h.shape[1]
         xf = h.flatten(1).float() if order == "flat_first" else h.float().flatten(1)
         if rms == "mean_square":
-            ms = xf.square().mean(-1, keepdim=True)
+            ms = xf.square().mean(-1, keepdim=True, **acc("rms"))
         elif rms == "mul":
             ms = (xf * xf).mean(-1, keepdim=True)
         elif rms == "sum_no_keepdim":  # r is [M]: it scales the mix columns instead of the rows (where M == 24)
@@ -60,14 +64,14 @@ def _variant(*, rms="mean_square", proj="linear", fold="after", softmax="softmax
             c = c.softmax(-1)
         elif softmax == "exp_sum":
             c = c.exp()
-            c = c / c.sum(-1, keepdim=True)
+            c = c / c.sum(-1, keepdim=True, **acc("softmax"))
         else:
             c = (c - c.amax(-1, keepdim=True)).exp()
             c = c / c.sum(-1, keepdim=True)
         c = c + eps
         c = c / (c.sum(-2, keepdim=True) + eps)
         for i in range(iters - 1):
-            c = c / (c.sum(-1, keepdim=True) + eps)
+            c = c / (c.sum(-1, keepdim=True, **acc("sinkhorn" if i == iters - 2 else None)) + eps)
             e = last_eps if (last_eps is not None and i == iters - 2) else eps
             if last_alpha is not None and i == iters - 2:
                 c = c / torch.add(c.sum(-2, keepdim=True), e, alpha=last_alpha)
@@ -142,11 +146,15 @@ def test_near_misses_stay_and_compile_fast(kw, reason):
         (dict(pre_alpha=1000.0), "keyword arguments"),
         (dict(last_alpha=1e5), "keyword arguments"),
         (dict(pre_step=2), "three column slices"),
+        (dict(dtype_at="rms"), "keyword arguments"),
+        (dict(dtype_at="softmax", softmax="exp_sum"), "keyword arguments"),
+        (dict(dtype_at="sinkhorn"), "keyword arguments"),
     ],
 )
 def test_near_misses_that_changed_the_result(kw, reason):
     """Spellings the walker took before and computed something else from: no keepdim on the RMS sum (M = 24, the
-    mix width, so it broadcasts), an add with alpha (eps scaled), a stepped mix slice."""
+    mix width, so it broadcasts), an add with alpha (eps scaled), a stepped mix slice, a reduction with a dtype
+    (float64 outputs came back float32)."""
     out, ref, rep = _run(_variant(**kw), m=24)
     assert rep.sites == {}, rep.to_markdown()
     assert rep.skipped and reason in rep.skipped[0].reason, rep.to_markdown()
