@@ -65,8 +65,10 @@ def _scalar(n: fx.Node, node_other: fx.Node) -> Any:
 
 
 def _no_kwargs(n: fx.Node, what: str) -> None:
-    """A reduction's keyword argument is its ``dtype``: it would run in (and return) another precision."""
-    _need(not n.kwargs, f"{what} ({n.name}) has keyword arguments {dict(n.kwargs)}")
+    """A reduction's keyword argument is its ``dtype``: another than the chain's float32 would run in (and return)
+    another precision."""
+    _need(not n.kwargs or dict(n.kwargs) == {"dtype": torch.float32},
+          f"{what} ({n.name}) has keyword arguments {dict(n.kwargs)}")
 
 
 def _binary(n: Any, targets: tuple, operand: fx.Node) -> bool:

@@ -34,9 +34,9 @@ def _run(fn, config=REF, m=9):
 
 def _variant(*, rms="mean_square", proj="linear", fold="after", softmax="softmax", post2="left", order="flat_first",
              iters=20, eps=HC_EPS, last_eps=None, end_on_row=False, pre_alpha=None, last_alpha=None, pre_step=1,
-             dtype_at=None):
+             dtype_at=None, acc_dtype=torch.float64):
     def acc(at):  # a reduction with a dtype: the RMS mean, the softmax sum or the last row step's sum
-        return {"dtype": torch.float64} if at is not None and at == dtype_at else {}
+        return {"dtype": acc_dtype} if at is not None and at == dtype_at else {}
 
     def fn(h, fn_w, scale, base):
         n = h.shape[1]
@@ -95,6 +95,7 @@ SPELLINGS = {
     "manual_max_softmax": dict(softmax="manual_max"),
     "post_times_two_right": dict(post2="right"),
     "float_then_flatten": dict(order="float_first"),
+    "float32_dtype_reductions": dict(dtype_at="sinkhorn", acc_dtype=torch.float32),  # (the chain's own dtype)
 }
 
 
