@@ -124,12 +124,17 @@ def _inner_compile_with_reports(gm: torch.fx.GraphModule, example_inputs: list[A
     return compiled
 
 
-def make_backend(config: PassConfig | None = None, options: dict[str, Any] | None = None) -> Callable[..., Any]:
-    """A Dynamo backend running Inductor with the dsv41 passes (plus extra Inductor ``options``)."""
-    config = _pass_config(config, "make_backend")
+def _user_options(options: dict[str, Any] | None) -> dict[str, Any]:
     user_opts = dict(options or {})
     if "post_grad_custom_post_pass" in user_opts:
         raise ValueError("options may not set post_grad_custom_post_pass: the dsv41 pass manager owns it")
+    return user_opts
+
+
+def make_backend(config: PassConfig | None = None, options: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """A Dynamo backend running Inductor with the dsv41 passes (plus extra Inductor ``options``)."""
+    config = _pass_config(config, "make_backend")
+    user_opts = _user_options(options)
 
     def dsv41_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         from torch._inductor.compile_fx import compile_fx
@@ -205,7 +210,7 @@ def compile(model_or_fn: Any, config: PassConfig | None = None, **torch_compile_
     ``options=`` adds Inductor options; other keyword arguments go to ``torch.compile``.
     """
     config = _pass_config(config, "dsv41_passes.compile")
-    options = dict(torch_compile_kwargs.pop("options", None) or {})
+    options = _user_options(torch_compile_kwargs.pop("options", None))  # (refused here, not at the first call)
     if torch_compile_kwargs.pop("backend", None) is not None:
         raise ValueError("dsv41_passes.compile chooses the backend; use torch.compile(backend='dsv41') instead")
     if torch_compile_kwargs.get("mode") not in (None, "default"):

@@ -147,6 +147,12 @@ def test_a_config_that_is_not_a_pass_config_is_refused_at_once():
             make({"fx_graph_cache": False})
 
 
+def test_options_owning_the_pass_slot_are_refused_at_once():
+    # dp.compile took them and raised only at the first call
+    with pytest.raises(ValueError, match="may not set post_grad_custom_post_pass"):
+        dp.compile(lambda x: x * 2, options={"post_grad_custom_post_pass": None})
+
+
 @pytest.mark.parametrize("bad", ["20", 20.0, 2.5, True, 0])
 def test_pass_config_sinkhorn_iters_is_an_int(bad):
     # "20" raised a bare "'<' not supported"; a float was accepted and no stats site could ever match it
