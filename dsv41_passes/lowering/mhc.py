@@ -350,6 +350,22 @@ TILELANG_PRE_MIN_M: int | None = _env_tokens("DSV41_MHC_PRE_TILELANG_MIN_M", "15
                                              "off: the Triton kernel at every M")
 
 
+def _sm_count(dev: torch.device) -> int | None:
+    return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else None
+
+
+def resident_why(dev: torch.device, cfg: dict) -> str | None:
+    """Why the persistent TileLang kernel of ``cfg`` cannot run on ``dev`` (None when it can): a group's 16 CTAs (one a
+    K slice), times the ``hi_multicast`` groups of a cluster, wait on one another, so all must be resident at once, one
+    an SM; a device with fewer SMs (a MIG slice) has too few."""
+    from .mhc_weights import NUM_SLICES
+
+    need, sms = NUM_SLICES * max(1, cfg.get("hi_multicast", 0)), _sm_count(dev)
+    if sms is not None and sms < need:
+        return f"{sms} SMs: the persistent kernel's config needs {need} CTAs resident at once"
+    return None
+
+
 def _tilelang_pre_ok(h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, *, batch_invariant):
     from .registry import m_below, tilelang_available
 
@@ -368,7 +384,7 @@ def _tilelang_pre_ok(h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_e
         return f"pre_prev dtype {pre_prev.dtype}"
     from .tilelang import mhc_pre as tlp
 
-    return tlp.unsupported(h)
+    return tlp.unsupported(h) or resident_why(h.device, tlp.DEFAULT_CONFIG)
 
 
 @register_provider("mhc_pre", "tilelang", _tilelang_pre_ok, wants_mode=True)
@@ -433,16 +449,18 @@ def fused_boundary_at(m: int) -> bool:
 @register_provider("mhc_boundary", "tilelang", _tilelang_boundary_ok, wants_mode=True)
 def _tilelang_boundary(y, res, post, comb, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, *,
                        batch_invariant, mode):
+    from .tilelang import mhc_pre as tlp
     from .triton import mhc as tk
 
-    if fused_boundary_at(res.shape[0]) and y.is_contiguous():
+    # (its config clusters CTA pairs: on fewer SMs than that needs, the post then the TileLang mhc_pre)
+    config = dict(tlp.BOUNDARY_CONFIG, **FUSED_BOUNDARY) if FUSED_BOUNDARY is not None else None
+    if fused_boundary_at(res.shape[0]) and y.is_contiguous() and resident_why(res.device, config) is None:
         from .mhc_weights import bf16x3_slice_parts
         from .registry import static_weights
-        from .tilelang import mhc_pre as tlp
 
         sliced = bf16x3_slice_parts(fn, res.shape[2], static=static_weights(mode))
         return tlp.mhc_boundary(y, res, post, comb, pre_prev, sliced, scale, base, weight, iters, hc_eps, norm_eps, eps,
-                                config=dict(tlp.BOUNDARY_CONFIG, **FUSED_BOUNDARY))
+                                config=config)
     new_res = tk.mhc_post(y, res, post, comb, batch_invariant=batch_invariant)
     return (new_res, *_tilelang_pre(new_res, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps,
                                     batch_invariant=batch_invariant, mode=mode))

@@ -79,7 +79,8 @@ def tunables(config, device=None) -> list:
         from .mhc_weights import slice_major
         from .tilelang import mhc_pre as tlp
 
-        if tlp.unsupported(torch.empty(1, n, d, dtype=torch.bfloat16, device=dev)) is None:
+        if (tlp.unsupported(torch.empty(1, n, d, dtype=torch.bfloat16, device=dev)) is None
+                and ops.resident_why(dev, tlp.DEFAULT_CONFIG) is None):
             def tl_pre_inputs(m, dev):
                 if m < ops.TILELANG_PRE_MIN_M:
                     return None  # the op runs the Triton kernel at this M: nothing to build
@@ -92,7 +93,9 @@ def tunables(config, device=None) -> list:
 
             cfg = tlp.DEFAULT_CONFIG
             out.append(Tunable("mhc_pre.tilelang", key, tl_pre_inputs, run_tl_pre, [cfg], cfg, lambda m: cfg))
-            if ops.fused_boundary_at(ops.TILELANG_PRE_MIN_M):  # the boundary's own build (the post inside the kernel)
+            bcfg = dict(tlp.BOUNDARY_CONFIG, **(ops.FUSED_BOUNDARY or {}))
+            # the boundary's own build (the post inside the kernel), where the op runs it
+            if ops.fused_boundary_at(ops.TILELANG_PRE_MIN_M) and ops.resident_why(dev, bcfg) is None:
                 def tl_boundary_inputs(m, dev):
                     if m < ops.TILELANG_PRE_MIN_M or not ops.fused_boundary_at(m):
                         return None
@@ -102,7 +105,6 @@ def tunables(config, device=None) -> list:
                 def run_tl_boundary(inputs, cfg):
                     return None if inputs is None else tlp.mhc_boundary(*inputs, config=cfg)
 
-                bcfg = dict(tlp.BOUNDARY_CONFIG, **ops.FUSED_BOUNDARY)
                 out.append(Tunable("mhc_boundary.tilelang", key, tl_boundary_inputs, run_tl_boundary, [bcfg], bcfg,
                                    lambda m: bcfg))
     return out

@@ -515,6 +515,51 @@ def test_fused_boundary_switch(monkeypatch):
     assert calls == [("post",), ("pre",)]
 
 
+def test_persistent_kernels_need_their_ctas_resident(monkeypatch):
+    """The persistent kernel's CTAs wait on one another, 16 a group, and the fused boundary's config clusters group
+    pairs (hi_multicast 2): on 16 SMs (an H100 MIG 1g slice) the TileLang boundary ran that kernel, which raised ("got 0
+    groups"); there the Triton post then the TileLang mhc_pre run, and below 16 SMs the TileLang mhc_pre declines."""
+    import types
+
+    from dsv41_passes.lowering import mhc as ops
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+    from dsv41_passes.lowering.triton import mhc as tk
+
+    sms = [16]
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda dev: types.SimpleNamespace(multi_processor_count=sms[0]))  # read by the kernel wrapper
+    monkeypatch.setattr(ops, "_sm_count", lambda dev: sms[0])  # (CPU tensors here)
+    monkeypatch.setattr(registry, "tilelang_available", lambda t: None)
+    monkeypatch.setattr(ops, "TILELANG_PRE_MIN_M", 8)
+    monkeypatch.setattr(ops, "FUSED_BOUNDARY", {})
+    monkeypatch.setattr(ops, "FUSED_BOUNDARY_MAX_M", None)
+    calls = []
+    monkeypatch.setattr(tk, "mhc_post", lambda *a, **k: calls.append("post") or a[1])
+    monkeypatch.setattr(tlp, "mhc_pre", lambda *a, **k: calls.append("pre") or ("x", "pre", "post", "comb"))
+    m, d = 8, FLASH_D
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(m, d, generator=g).bfloat16(), torch.randn(m, 4, d, generator=g).bfloat16(), torch.rand(m, 4),
+            torch.rand(m, 4, 4), torch.rand(m, 4), torch.randn(24, 4 * d, generator=g), torch.ones(3), torch.zeros(24),
+            torch.ones(d), ITERS, HC_EPS, NORM_EPS, EPS]
+    mode = registry.encode_mode(False)
+    assert ops._tilelang_boundary(*args, batch_invariant=False, mode=mode)[1:] == ("x", "pre", "post", "comb")
+    assert calls == ["post", "pre"]
+    pre_args = (args[1], *args[4:])
+    assert ops._tilelang_pre_ok(*pre_args, batch_invariant=False) is None
+    sms[0] = 15
+    assert "15 SMs" in ops._tilelang_pre_ok(*pre_args, batch_invariant=False)
+    from dsv41_passes.reference import DeepseekV41Config
+
+    listed = {}  # the warm-up builds what the op runs
+    for sms[0] in (15, 16, 32):
+        listed[sms[0]] = {t.op for t in ops.tunables(DeepseekV41Config.flash(), "cpu")} & {
+            "mhc_pre.tilelang", "mhc_boundary.tilelang"}
+    assert listed == {15: set(), 16: {"mhc_pre.tilelang"}, 32: {"mhc_pre.tilelang", "mhc_boundary.tilelang"}}
+    calls.clear()
+    monkeypatch.setattr(tlp, "mhc_boundary", lambda *a, config: calls.append("fused") or ("fused",))
+    assert ops._tilelang_boundary(*args, batch_invariant=False, mode=mode) == ("fused",) and calls == ["fused"]
+
+
 def test_ml48_resident_tile_follows_the_parts():
     """An ``ml48`` build takes each stream's mid rows, then its lo rows, as one tile: made once per sliced-parts tensor
     (a weight update builds new parts, so a new one), in inference mode too, and dropped with it."""
