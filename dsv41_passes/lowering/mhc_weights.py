@@ -23,7 +23,10 @@ storage (``p.data = t``) rebuilds, even where the new storage lands at the old
 address. Limits: in-place writes through ``.data`` and fused optimizer steps
 (``torch.optim.*(fused=True)``) do not bump the counter (as for autograd): call
 ``clear_cache()`` after them; inference tensors have no counter (their parts are
-rebuilt on every call, with a warning, unless static).
+rebuilt on every call, with a warning, unless static). A weight that is a view (one
+layer of a stacked parameter) reaches the op as an alias the compiled graph makes at
+every call, under ``dp.compile`` an inference tensor: its parts are rebuilt on every
+call, static or not.
 """
 
 from __future__ import annotations
@@ -153,7 +156,8 @@ def bf16x3_parts(fn: torch.Tensor, *, static: bool = False, np_cols: int = NP_DE
         warnings.warn(
             "dsv41 mHC: the projection weight is an inference tensor (no version counter); its bf16x3 "
             "parts are rebuilt on every call. Create weights outside torch.inference_mode() or use "
-            "PassConfig(static_weights=True).",
+            "PassConfig(static_weights=True). (A view of a weight, e.g. one layer of a stacked parameter, reaches "
+            "the op as a new inference tensor at every call: give each projection a parameter of its own.)",
             stacklevel=3,
         )
     parts = build_parts(fn, np_cols)
