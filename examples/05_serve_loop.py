@@ -35,6 +35,7 @@ def main() -> None:
     cu = torch.tensor([0, *torch.tensor([len(p) for p in prompts]).cumsum(0).tolist()])
     logits = fast(ids, pos, cu, torch.arange(len(prompts)))  # sequence b lives in cache slot b
     nxt = [logits[e - 1].argmax().item() for e in cu[1:].tolist()]
+    sizes = {len(ids)}  # the token counts the compiled model ran
     for step in range(args.steps):
         active = [b for b in range(len(seqs)) if step < args.new_tokens[b]]  # sequences finish at different steps
         if not active:  # every sequence has finished (--steps past the largest --new-tokens): no empty batch
@@ -44,11 +45,15 @@ def main() -> None:
         ids = torch.tensor([nxt[b] for b in active])
         pos = torch.tensor([len(seqs[b]) - 1 for b in active])
         logits = fast(ids, pos, torch.arange(len(active) + 1), torch.tensor(active))
+        sizes.add(len(active))
         for i, b in enumerate(active):
             nxt[b] = logits[i].argmax().item()
         print(f"step {step}: {len(active)} active, tokens {ids.tolist()}")
-    print(f"Dynamo graphs compiled: {counters['stats']['unique_graphs']} (one for M >= 2, one for M = 1)")
-    print("decode graph (M = 1) rewrote:", dp.last_report().sites)
+    graphs = ", ".join(g for g, ok in (("one for M >= 2", any(m >= 2 for m in sizes)), ("one for M = 1", 1 in sizes))
+                       if ok)
+    print(f"Dynamo graphs compiled: {counters['stats']['unique_graphs']} ({graphs})")
+    # the last graph compiled: M = 1's where a step had one sequence left
+    print(f"{'decode graph (M = 1)' if 1 in sizes else 'graph (M >= 2)'} rewrote:", dp.last_report().sites)
 
 
 if __name__ == "__main__":
