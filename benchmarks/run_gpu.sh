@@ -8,7 +8,7 @@
 # mhc_isolated takes those with a cross-CTA protocol of their own (hi_multicast clusters, fused_finish counters) one
 # at a time, their bits and their probe (the whole op, kernel and stats, against the default's) each in its own
 # process with a short limit (a barrier that never completes costs that process only); mhc_boundary_isolated does the
-# same for the fused boundary (the default, without the vector role's early release, with five stages);
+# same for the fused boundary (the default, with the ring of runs 207-217, without the vector role's early release);
 # mhc_boundary_timers has the fused boundary's roles count their waits (clock64 timers: where its time goes; without
 # the vector role's early release, with five stages, without the post's arithmetic, without the norm); mhc_boundary_ncu samples its warps'
 # states by SASS instruction (Nsight Compute); mhc_stats_kernel tests and times the TileLang mhc_pre's stats kernel (one
@@ -79,14 +79,15 @@ for s in $stages; do
           ${UNMEASURED_MS:-65536,16384,4096},2048 --op "$n"
       done ;;
     mhc_boundary_isolated)  # the fused boundary (weight stream multicast to CTA pairs since run 191, the dots' early
-      # release since run 192, the vector role's since run 207), the same without the vector role's and with [mid; lo]
-      # streamed in five stages: their bits, then timed
+      # release since run 192, the vector role's since run 207, a ring of two row blocks to the normalizing warps since
+      # run 218), the same with the ring of three of runs 207-217 and without the vector role's early release: their
+      # bits, then timed
       b=wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc
       run mhc_boundary_isolated_tests ${ISOLATED_LIMIT:-150} python3 -m pytest -q -m gpu \
         tests/lowering/test_mhc_pre_tilelang.py -p no:cacheprovider -rfE \
-        -k "fused_boundary_matches and (default or vec_release_early or ml_stream or dots_release_early) and not (hi_multicast)"
+        -k "fused_boundary_matches and (default or vec_release_early or lag) and not (hi_multicast)"
       [ $? -eq 124 ] || run mhc_boundary_isolated ${BOUNDARY_LIMIT:-240} python3 benchmarks/probe_mhc_boundary.py \
-        --no-fused --no-post-collapse --tilelang --tilelang-configs $b-re,$b-re-ve,$b-re-ms5 \
+        --no-fused --no-post-collapse --tilelang --tilelang-configs $b-re-ve-lg1,$b-re-ve,$b-re \
         ${BOUNDARY_MS:-65536 16384 4096} ;;
     mhc_boundary_timers)  # without the vector role's early release, with five stages, and with cuts: how fast the
       # rest runs without the post's arithmetic / the norm (the vector role cannot be cut in the boundary, its post

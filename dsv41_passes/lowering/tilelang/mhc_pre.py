@@ -235,6 +235,14 @@ CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-pf2-sl"] = dict(
 # 0.1-0.5% faster at every size: the boundary's config since
 CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve"] = dict(CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re"],
                                                               vec_release_early=True)
+# the same with a ring of two row blocks between the vector role and the normalizing warps (``lag`` 1, was 2): the
+# vector role may store a block's collapse once the normalizing warps are done with the block before the last, so it
+# waits for them more (run 218, H100, timers at 65536: 9% of its time against 5%), but the collapse they read back is
+# younger. Runs 218-219 (H100, probe_mhc_pre_diag --boundary, the kernel, medians, ms at 65536 / 16384 / 4096):
+# 3.156 / 0.8028 / 0.2096 against 3.323 / 0.8461 / 0.2162 (5.0%, 5.1%, 3.0% faster; lag 3 and 4 2-5% slower, lag 0
+# 10% slower), the same bits (x, partials, new residual): the boundary's config since
+CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1"] = dict(
+    CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve"], lag=1)
 # hi resident and [mid; lo] streamed with the stage (``ml_stream``): 60 KiB resident instead of 120, so a fifth stage
 # fits (in the boundary 221 of the 227 KiB), for twice the weight bytes a step from L2 (run 190: without the weight
 # stream at all the mhc_pre was 1.8% faster). In the boundary both roles wait for a stage (run 200: the vector role
@@ -268,8 +276,8 @@ DEFAULT_CONFIG = CONFIGS[_ENV_CONFIG]
 # the fused boundary's (``mhc_boundary``): with the normalizing warps, which take the norm off the vector role that
 # also computes the post (with ``held_norm`` instead, 5-6% slower: run 185), and the weight stream multicast to CTA
 # pairs (run 191, H100, us: 3602 against 3674 at M = 65536, 899 / 912 at 16384, 231.7 / 234.7 at 4096; the same bits),
-# the dots' early release (run 192, above) and the vector role's (run 207, above)
-BOUNDARY_CONFIG = CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve"]
+# the dots' early release (run 192, above), the vector role's (run 207, above) and a ring of two blocks (runs 218-219)
+BOUNDARY_CONFIG = CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1"]
 
 
 def _mid_lo(sliced: torch.Tensor) -> torch.Tensor:
