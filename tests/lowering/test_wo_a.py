@@ -177,6 +177,25 @@ def test_sum_splits_adds_the_parts_in_order_with_or_without_pdl():
         assert torch.equal(z.view(torch.int16), want.bfloat16().view(torch.int16)), pdl
 
 
+def test_sum_splits_offsets_past_2_31_elements():
+    """Part s of the split-K partials starts at ``s * M * N``: at M = 65536 and the TP1 wo_a's N = 8192 with the
+    SPLIT = 8 candidate (the warm-up times it at that bucket) parts 4..7 start past 2^31 elements while ``M * N``
+    fits int32; an int32 product wrapped there and the sum read far before the buffer. The partials are allocated
+    but never touched past the first block of each part (the first program's), so this needs little memory."""
+    from dsv41_passes.lowering.triton import wo_a as tw
+
+    m, n, s = 65536, 8192, 8
+    try:
+        part = torch.empty((s, m, n), dtype=torch.float32, device=DEVICE)
+        z = torch.zeros((m, n), dtype=torch.bfloat16, device=DEVICE)
+    except (RuntimeError, MemoryError):
+        pytest.skip("cannot reserve 17 GiB of address space")
+    for k in range(s):
+        part[k].view(-1)[:1024] = float(k + 1)
+    tw._sum_splits_kernel[(1,)](part, z, m * n, SPLIT=s, BLOCK=1024, INTERP=tw.INTERPRET, PDL=False, num_warps=4)
+    assert torch.equal(z.view(-1)[:1024].float(), torch.full((1024,), float(s * (s + 1) // 2), device=DEVICE))
+
+
 def test_sum_splits_compiles_for_sm90():
     """The GPU build of the sum kernel: launched with PDL it lets the next grid start and waits for the GEMM's
     writes before any global access; without, no grid-dependency control at all."""

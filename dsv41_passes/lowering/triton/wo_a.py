@@ -174,9 +174,10 @@ def _sum_splits_kernel(part_ptr, z_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.const
     pdl_prologue(PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < MN
+    mn = MN.to(tl.int64)  # part s starts at s * MN: past 2^31 elements at M = 65536, N = 8192, SPLIT = 8
     acc = tl.load(part_ptr + i, mask=ok, other=0.0)
     for s in tl.static_range(1, SPLIT):
-        acc += tl.load(part_ptr + s * MN + i, mask=ok, other=0.0)
+        acc += tl.load(part_ptr + s * mn + i, mask=ok, other=0.0)
     tl.store(z_ptr + i, rne_bf16(acc, INTERP).to(z_ptr.dtype.element_ty), mask=ok)
 
 
