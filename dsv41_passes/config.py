@@ -7,7 +7,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
-from .guards import is_batch_invariant
+from .guards import is_batch_invariant, strict_bool
 
 FAMILIES = ("mhc", "rope_store", "wo_a")
 _FLAGS = (*FAMILIES, "static_weights", "mhc_boundary", "batch_invariant")
@@ -43,13 +43,10 @@ class PassConfig:
     def __post_init__(self) -> None:
         for name in _FLAGS:
             value = getattr(self, name)
-            if value is None and name == "batch_invariant":
+            if value is None and name == "batch_invariant":  # (None: follow the global mode)
                 continue
-            # a string is truthy whatever it says ("false"); numpy's bool is kept as a bool (the uuid is JSON)
-            if isinstance(value, str) or value not in (True, False):
-                allowed = "True, False or None" if name == "batch_invariant" else "True or False"
-                raise ValueError(f"PassConfig.{name} must be {allowed}, got {value!r}")
-            object.__setattr__(self, name, bool(value))
+            allowed = "True, False or None" if name == "batch_invariant" else "True or False"
+            object.__setattr__(self, name, strict_bool(value, f"PassConfig.{name}", allowed))
         if isinstance(self.providers, str):
             raise ValueError(f"PassConfig.providers must be a tuple of names, e.g. ('triton', 'reference'), got the "
                              f"string {self.providers!r}")

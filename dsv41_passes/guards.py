@@ -10,6 +10,7 @@ ops; running it after the mode changed raises (see ``check_mode``), and
 from __future__ import annotations
 
 import os
+from typing import Any
 
 
 def _env_default() -> bool:
@@ -28,13 +29,19 @@ def is_batch_invariant() -> bool:
     return _STATE["batch_invariant"]
 
 
+def strict_bool(value: Any, what: str, allowed: str = "True or False") -> bool:
+    """``value`` as a bool when it is one (numpy's too: kept as Python's, the uuid is JSON); a string is truthy
+    whatever it says ("0", "false"), so it and anything else are a ValueError naming ``what``."""
+    if isinstance(value, str) or value not in (True, False):
+        raise ValueError(f"{what} must be {allowed}, got {value!r}")
+    return bool(value)
+
+
 class batch_invariant:  # noqa: N801  (used like a function)
     """Turn batch-invariant mode on (or off); as a context manager, restore the old mode on exit."""
 
     def __init__(self, enabled: bool = True) -> None:
-        if isinstance(enabled, str) or enabled not in (True, False):  # a string is truthy whatever it says ("0")
-            raise ValueError(f"batch_invariant(enabled): True or False, got {enabled!r}")
-        self.enabled = bool(enabled)
+        self.enabled = strict_bool(enabled, "batch_invariant(enabled)")
         self.previous = _STATE["batch_invariant"]
         _set(self.enabled)
         self._set_at = _STATE["changes"]  # (the plain-setter use ends here)

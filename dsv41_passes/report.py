@@ -99,19 +99,25 @@ class RewriteReport:
         return cls(**d)
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
-        try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(self.to_json(), f)
-            os.replace(tmp, path)
-        finally:  # (a path that is a directory: nothing left behind)
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        save_json(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "RewriteReport":
         with open(path, encoding="utf-8") as f:
             return cls.from_json(json.load(f))
+
+
+def save_json(path: str | os.PathLike[str], data: Any, **dump_options: Any) -> None:
+    """``data`` as JSON at ``path``, replaced at once (a reader never sees half a file); a failed write (a path that
+    is a directory) leaves nothing behind."""
+    tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, **dump_options)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def graph_to_node_link(graph: fx.Graph) -> dict[str, Any]:

@@ -112,15 +112,10 @@ def save_tactics(path: str | os.PathLike[str]) -> int:
     if not enabled():
         warnings.warn("DSV41_TACTICS=off: tactics are not saved", stacklevel=2)
         return 0
+    from .report import save_json
+
     data = {"meta": metadata(), "entries": entries()}
-    tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    finally:  # (a path that is a directory: nothing left behind)
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    save_json(path, data, indent=1, sort_keys=True)
     return len(data["entries"])
 
 

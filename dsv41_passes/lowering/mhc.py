@@ -441,6 +441,13 @@ FUSED_BOUNDARY_MAX_M: int | None = _env_tokens("DSV41_MHC_BOUNDARY_FUSED_MAX_M",
                                                "none: no bound; DSV41_MHC_BOUNDARY_FUSED=off turns it off")
 
 
+def fused_boundary_config() -> dict | None:
+    """The fused boundary kernel's build options (``BOUNDARY_CONFIG`` and ``FUSED_BOUNDARY``'s), None when off."""
+    from .tilelang import mhc_pre as tlp
+
+    return None if FUSED_BOUNDARY is None else dict(tlp.BOUNDARY_CONFIG, **FUSED_BOUNDARY)
+
+
 def fused_boundary_at(m: int) -> bool:
     """Whether the TileLang boundary runs the fused kernel at M = m (where the provider runs and y is contiguous)."""
     return FUSED_BOUNDARY is not None and (FUSED_BOUNDARY_MAX_M is None or m <= FUSED_BOUNDARY_MAX_M)
@@ -449,14 +456,14 @@ def fused_boundary_at(m: int) -> bool:
 @register_provider("mhc_boundary", "tilelang", _tilelang_boundary_ok, wants_mode=True)
 def _tilelang_boundary(y, res, post, comb, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, *,
                        batch_invariant, mode):
-    from .tilelang import mhc_pre as tlp
     from .triton import mhc as tk
 
     # (its config clusters CTA pairs: on fewer SMs than that needs, the post then the TileLang mhc_pre)
-    config = dict(tlp.BOUNDARY_CONFIG, **FUSED_BOUNDARY) if FUSED_BOUNDARY is not None else None
-    if fused_boundary_at(res.shape[0]) and y.is_contiguous() and resident_why(res.device, config) is None:
+    fused = fused_boundary_at(res.shape[0]) and y.is_contiguous()
+    if fused and resident_why(res.device, config := fused_boundary_config()) is None:
         from .mhc_weights import bf16x3_slice_parts
         from .registry import static_weights
+        from .tilelang import mhc_pre as tlp
 
         sliced = bf16x3_slice_parts(fn, res.shape[2], static=static_weights(mode))
         return tlp.mhc_boundary(y, res, post, comb, pre_prev, sliced, scale, base, weight, iters, hc_eps, norm_eps, eps,

@@ -147,7 +147,7 @@ def bf16x3_parts(fn: torch.Tensor, *, static: bool = False, np_cols: int = NP_DE
                 "weight updates refresh them, or call dsv41_passes.lowering.mhc_weights.clear_cache() "
                 "after updating the weights."
             )
-        if alive and (ver is None and static or ver is not None and ver == e.version):
+        if alive and ((ver is None and static) or (ver is not None and ver == e.version)):
             if static and e.pinned is None:
                 e.pinned = ver
             return e.parts

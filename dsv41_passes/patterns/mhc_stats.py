@@ -64,7 +64,7 @@ def _scalar(n: fx.Node, node_other: fx.Node) -> Any:
     return b if a is node_other else a
 
 
-def _no_kwargs(n: fx.Node, what: str) -> None:
+def _float32_reduction(n: fx.Node, what: str) -> None:
     """A reduction's keyword argument is its ``dtype``: another than the chain's float32 would run in (and return)
     another precision."""
     _need(not n.kwargs or dict(n.kwargs) == {"dtype": torch.float32},
@@ -136,7 +136,7 @@ def _rstd(w: _Walk, r: fx.Node, xf: fx.Node, k: Any) -> None:
     _need(isinstance(eps, float) and eps > 0, f"RMS eps {eps!r} is not a positive float")
     if _is(ms, aten.mean.dim):
         _need(_dim_ok(ms.args[1], -1, 2) and (len(ms.args) > 2 and ms.args[2]), "RMS mean is not over the last dim")
-        _no_kwargs(ms, "RMS mean")
+        _float32_reduction(ms, "RMS mean")
         sq = ms.args[0]
         w.add(ms)
     else:
@@ -147,7 +147,7 @@ def _rstd(w: _Walk, r: fx.Node, xf: fx.Node, k: Any) -> None:
             "RMS statistic is not a sum over the last dim (keepdim)",
         )
         _need(isinstance(ms.args[1], (int, float)) and same(ms.args[1], k), "RMS sum is not divided by K")
-        _no_kwargs(s, "RMS sum")
+        _float32_reduction(s, "RMS sum")
         sq = s.args[0]
         w.add(ms, s)
     if _is(sq, aten.pow.Tensor_Scalar):
@@ -227,7 +227,7 @@ def _softmax(w: _Walk, logits: fx.Node) -> fx.Node:
         "softmax normalisation not recognised",
     )
     _need(_dim_ok(s.args[1], -1, 3) and len(s.args) > 2 and s.args[2], "softmax sum is not over the last dim")
-    _no_kwargs(s, "softmax sum")
+    _float32_reduction(s, "softmax sum")
     w.add(e, s, d)
     return d
 
@@ -246,7 +246,7 @@ def _step(w: _Walk, c: fx.Node, eps: float) -> tuple[fx.Node, int] | None:
         return None
     dims = s.args[1]
     _need(len(s.args) > 2 and s.args[2], "Sinkhorn sum drops the reduced dim")
-    _no_kwargs(s, "Sinkhorn sum")
+    _float32_reduction(s, "Sinkhorn sum")
     _need(
         isinstance(dims, (list, tuple)) and len(dims) == 1 and dims[0] % 3 in (1, 2), f"Sinkhorn sum over dims {dims}"
     )
