@@ -367,7 +367,7 @@ def resident_why(dev: torch.device, cfg: dict) -> str | None:
 
 
 def _tilelang_pre_ok(h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, *, batch_invariant):
-    from .registry import m_below, tilelang_available
+    from .registry import Defer, m_below, tilelang_available
 
     why = tilelang_available(h)
     if why:
@@ -377,7 +377,7 @@ def _tilelang_pre_ok(h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_e
     if batch_invariant:
         return "batch-invariant mode runs one kernel at every M (the Triton one)"
     if m_below(h.shape[0], TILELANG_PRE_MIN_M):
-        return f"M = {h.shape[0]} < {TILELANG_PRE_MIN_M} (decode sizes run the Triton kernel)"
+        return Defer(f"M = {h.shape[0]} < {TILELANG_PRE_MIN_M} (decode sizes run the Triton kernel)", "triton")
     if weight is None or weight.dtype != torch.float32:
         return "needs the float32 RMSNorm weight"
     if pre_prev.dtype != torch.float32:

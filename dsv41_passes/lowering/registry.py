@@ -51,20 +51,41 @@ def providers_of(op: str) -> dict[str, Provider]:
     return dict(_REGISTRY.get(op, {}))
 
 
+class Defer(str):
+    """A provider's decline for speed, not ability: it gives way to provider ``to`` only where ``to`` comes later in
+    the priority and takes the inputs; elsewhere (``to`` left out of the priority, or declining) it runs."""
+
+    to: str
+
+    def __new__(cls, reason: str, to: str) -> "Defer":
+        d = super().__new__(cls, reason)
+        d.to = to
+        return d
+
+
 def choose(op: str, priority: str, batch_invariant: bool, *args: Any) -> tuple[Provider | None, list[str]]:
     """First provider in ``priority`` (comma-separated) that supports ``args``; plus why others declined."""
     why: list[str] = []
     table = _REGISTRY.get(op, {})
-    for name in priority.split(","):
+    names = priority.split(",")
+    for i, name in enumerate(names):
         p = table.get(name)
         if p is None:
             why.append(f"{name}: not implemented for {op}")
             continue
         reason = p.supported(*args, batch_invariant=batch_invariant)
+        if isinstance(reason, Defer) and not _takes(table, reason.to, names[i + 1:], batch_invariant, args):
+            why.append(f"{name}: runs although {reason} ({reason.to} is not a later provider that takes these inputs)")
+            return p, why
         if reason is None:
             return p, why
         why.append(f"{name}: {reason}")
     return None, why
+
+
+def _takes(table: dict[str, Provider], name: str, later: list[str], batch_invariant: bool, args: tuple) -> bool:
+    p = table.get(name) if name in later else None
+    return p is not None and p.supported(*args, batch_invariant=batch_invariant) is None
 
 
 MODE_BATCH_INVARIANT = 1  # fixed, M-independent configs

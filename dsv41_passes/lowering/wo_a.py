@@ -19,7 +19,7 @@ import math
 import torch
 
 from ..reference.rope import apply_rotary_real
-from .registry import dispatch, m_below, one_device, register_provider, tilelang_available, triton_available
+from .registry import Defer, dispatch, m_below, one_device, register_provider, tilelang_available, triton_available
 
 OP = "wo_a"
 
@@ -149,8 +149,9 @@ def _wo_a_tilelang_ok(o, weight, cos, sin, rope_dim, *, batch_invariant):
     from .tilelang import wo_a as tl_wo_a
     from .triton import wo_a as tk
 
-    if not batch_invariant and m_below(o.shape[0], tk.SPLIT_K_MAX_M + 1) and triton_available(o) is None:
-        return f"M <= {tk.SPLIT_K_MAX_M} outside batch-invariant mode: the Triton split-K kernel is faster"
+    if not batch_invariant and m_below(o.shape[0], tk.SPLIT_K_MAX_M + 1):
+        return Defer(f"M <= {tk.SPLIT_K_MAX_M} outside batch-invariant mode: the Triton split-K kernel is faster",
+                     "triton")
     return tl_wo_a.unsupported_reason(o, weight, rope_dim if cos is not None else 0)
 
 

@@ -422,6 +422,13 @@ def test_boundary_provider_follows_the_pre_and_the_post(monkeypatch):
     small = [a[:4095] if i < 5 else a for i, a in enumerate(args)]
     p, why = registry.choose("mhc_boundary", "tilelang,triton", False, *small)
     assert p.name == "triton" and "decode sizes" in why[0]
+    # a decline for speed only: without the Triton provider in the priority, the TileLang one runs there
+    p, why = registry.choose("mhc_boundary", "tilelang,reference", False, *small)
+    assert p.name == "tilelang" and "runs although" in why[0], why
+    p, why = registry.choose("mhc_pre", "tilelang,reference", False, *small[1:2], *small[4:])
+    assert p.name == "tilelang" and "runs although" in why[0], why
+    p, why = registry.choose("mhc_pre", "tilelang,reference", True, *small[1:2], *small[4:])
+    assert p.name == "reference" and "batch-invariant" in why[0], why
     wrong = [args[0].float(), *args[1:]]
     assert "post: y dtype" in ops._tilelang_boundary_ok(*wrong, batch_invariant=False)
     assert "float32 RMSNorm weight" in ops._tilelang_boundary_ok(*args[:8], None, *args[9:], batch_invariant=False)

@@ -326,7 +326,6 @@ def test_triton_compiles_for_sm90():
 @pytest.mark.parametrize("provider", ["triton", "tilelang"])
 @pytest.mark.parametrize("tp", sorted(TP_SHAPES))
 def test_gpu_numerics(provider, tp):
-    from dsv41_passes.lowering.tilelang import wo_a as tw
     from dsv41_passes.lowering.triton import wo_a as tk
 
     h, d, g, r, rd = TP_SHAPES[tp]
@@ -335,13 +334,11 @@ def test_gpu_numerics(provider, tp):
         o, cos, sin = o_all[:m], cos_all[:m], sin_all[:m]
         for c, s in ((cos, sin), (None, None)):
             p, why = choose("wo_a", provider, False, o, w, c, s, rd)
-            if provider == "tilelang" and m <= tk.SPLIT_K_MAX_M:  # defers to the Triton split-K kernel
-                assert p is None and "split-K" in why[0], why
+            assert p is not None and p.name == provider, why
+            if provider == "tilelang" and m <= tk.SPLIT_K_MAX_M:  # defers to the Triton split-K kernel where it runs
+                assert "runs although" in why[0] and "split-K" in why[0], why
                 assert choose("wo_a", "tilelang,triton", False, o, w, c, s, rd)[0].name == "triton"
-                out = tw.wo_a(o, w, c, s, rd, batch_invariant=False)  # its own default still runs
-            else:
-                assert p is not None, why
-                out = run_op(provider, o, w, c, s, rd)
+            out = run_op(provider, o, w, c, s, rd)
             ref = run_op("reference", o, w, c, s, rd)
             assert_bf16_gemm_close(out, ref)
             assert normwise_error(out, float64_oracle(o, w, c, s, rd, g)) <= 4e-3, (m, c is not None)
@@ -394,6 +391,24 @@ def test_provider_choice_at_compile_time_puts_no_guard_on_m(monkeypatch):
     assert "split-K" in ops._wo_a_tilelang_ok(torch.empty(8, 16, 512, dtype=torch.bfloat16),
                                               torch.empty(2048, 4096, dtype=torch.bfloat16), None, None, 0,
                                               batch_invariant=False)
+
+
+def test_tilelang_defers_at_decode_sizes_only_to_a_triton_provider_that_runs(monkeypatch):
+    """The split-K rule is about speed: with Triton later in the priority and taking the inputs it runs; without it
+    (left out, or unable: not installed) the TileLang kernel runs rather than the plain-torch reference."""
+    from dsv41_passes.lowering import wo_a as ops
+
+    monkeypatch.setattr(ops, "tilelang_available", lambda t: None)
+    monkeypatch.setattr(ops, "triton_available", lambda t: None)
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    args = (torch.empty(8, 16, 512, **meta), torch.empty(2048, 4096, **meta), None, None, 0)
+    p, why = choose("wo_a", "tilelang,triton,reference", False, *args)
+    assert p.name == "triton" and "split-K" in why[0], why
+    p, why = choose("wo_a", "tilelang,reference", False, *args)
+    assert p.name == "tilelang" and "runs although" in why[0], why
+    monkeypatch.setattr(ops, "triton_available", lambda t: "triton is not installed")
+    p, why = choose("wo_a", "tilelang,triton,reference", False, *args)
+    assert p.name == "tilelang", why
 
 
 def test_reference_provider_is_batch_invariant_in_that_mode():
