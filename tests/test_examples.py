@@ -118,3 +118,20 @@ def test_03_prefill_benchmark_dry_run(tmp_path):
     assert all(fams.get(f, 0) > 0 for f in ("mhc", "rope_store", "wo_a")), fams
     assert data["checks"]["dsv41 outside M=40"] < 0.05, data["checks"]
     assert data["summary"][0]["M"] == 40
+
+
+@pytest.mark.slow
+def test_04_checkpoint_with_its_own_sinkhorn_count(tmp_path):
+    # the passes' hc_sinkhorn_iters must be the loaded model's: the example used PassConfig()'s 20, and every
+    # mhc_stats site of a checkpoint with another count stayed unrewritten
+    import importlib.util
+
+    from dsv41_passes.reference import DeepseekV41Config
+
+    spec = importlib.util.spec_from_file_location("ex04", EXAMPLES / "04_load_checkpoint.py")
+    ex04 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex04)
+    ex04.write_checkpoint(tmp_path, DeepseekV41Config.tiny(num_hidden_layers=1, hc_sinkhorn_iters=3))
+    out = _run("04_load_checkpoint.py", "--checkpoint", str(tmp_path))
+    sites = ast.literal_eval(re.search(r"sites rewritten: (\{.*\})", out).group(1))
+    assert sites.get("mhc_stats") == 2 and "sites skipped" not in out, out[-2000:]
