@@ -254,10 +254,10 @@ def _specialized_floats() -> Any:
 
 def _pinned(backend: Callable[..., Any], bi: bool) -> Callable[..., Any]:
     """Compile under the mode this backend is for (the pass manager reads it when it is built)."""
-    from .guards import batch_invariant as _bi
+    from .guards import scoped_mode
 
     def run(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        with _bi(bi):
+        with scoped_mode(bi):
             return backend(gm, example_inputs)
 
     return run

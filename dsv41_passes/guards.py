@@ -9,8 +9,9 @@ ops; running it after the mode changed raises (see ``check_mode``), and
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from typing import Any, Iterator
 
 
 def _env_default() -> bool:
@@ -42,19 +43,32 @@ class batch_invariant:  # noqa: N801  (used like a function)
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = strict_bool(enabled, "batch_invariant(enabled)")
-        self.previous = _STATE["batch_invariant"]
+        self._previous = [_STATE["batch_invariant"]]  # one a pending exit (entered again inside itself: two)
         _set(self.enabled)
         self._set_at = _STATE["changes"]  # (the plain-setter use ends here)
 
     def __enter__(self) -> "batch_invariant":
         if self._set_at != _STATE["changes"]:  # entered later than made, or again: apply its mode now
-            self.previous = _STATE["batch_invariant"]
+            self._previous.append(_STATE["batch_invariant"])
             _set(self.enabled)
         self._set_at = None
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _set(self.previous)
+        _set(self._previous.pop())
+
+
+@contextlib.contextmanager
+def scoped_mode(enabled: bool) -> Iterator[None]:
+    """The mode set for a block and put back after it, not counted as a change: a compile under its graph's mode
+    leaves a ``batch_invariant`` object made before it as it was (entered later, it still restores the mode from
+    before it was made)."""
+    saved = _STATE["batch_invariant"]
+    _STATE["batch_invariant"] = enabled
+    try:
+        yield
+    finally:
+        _STATE["batch_invariant"] = saved
 
 
 def check_mode(compiled_batch_invariant: bool, follows_global: bool) -> None:

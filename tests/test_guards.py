@@ -132,6 +132,37 @@ def test_context_object_entered_later_or_again_applies_its_mode():
     assert not dp.is_batch_invariant()
 
 
+def test_context_object_entered_inside_itself_restores_each_mode():
+    cm = dp.batch_invariant(True)
+    with cm:
+        with cm:
+            assert dp.is_batch_invariant()
+        assert dp.is_batch_invariant()
+        dp.batch_invariant(False)
+        with cm:
+            assert dp.is_batch_invariant()
+        assert not dp.is_batch_invariant()
+    assert not dp.is_batch_invariant()  # the mode from before cm was made
+    dp.batch_invariant(True)
+    with cm:
+        with cm:
+            assert dp.is_batch_invariant()
+        assert dp.is_batch_invariant()
+    assert dp.is_batch_invariant()
+    dp.batch_invariant(False)
+
+
+def test_a_compile_between_making_and_entering_leaves_the_object_as_it_was():
+    """dp.compile compiles under its graph's mode; that is not a change of mode for an object made before it."""
+    f = dp.compile(lambda x: x * 2, dp.PassConfig(batch_invariant=False))
+    cm = dp.batch_invariant(True)
+    f(torch.ones(3))  # compiles in the scope of batch_invariant=False
+    assert dp.is_batch_invariant()
+    with cm:
+        assert dp.is_batch_invariant()
+    assert not dp.is_batch_invariant()  # the mode from before cm was made
+
+
 @pytest.mark.parametrize("value", ["0", "false", None, [True]])
 def test_setter_refuses_what_is_not_a_bool(value):
     # dp.batch_invariant("0") turned the mode on: a string is truthy whatever it says
