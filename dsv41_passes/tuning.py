@@ -231,7 +231,8 @@ def warmup(
 
     Takes a ``DeepseekV41Config`` or a model holding one (``.config``); builds
     each op's inputs at the model's per-rank shapes, so nothing of the model runs
-    (no KV cache, no LM head). Returns ``{op: {bucket: config}}``.
+    (no KV cache, no LM head). Only the kernels that graphs compiled with ``pass_config`` can run are built: its
+    families, providers, ``mhc_boundary`` and batch-invariant mode. Returns ``{op: {bucket: config}}``.
     """
     from tqdm import tqdm
 
@@ -250,9 +251,9 @@ def warmup(
     from .lowering.registry import triton_available
 
     why = triton_available(torch.empty(0, device=dev))
-    if why:
+    if why and "triton" in pc.providers:
         raise RuntimeError(f"dsv41 warm-up builds the Triton kernels: {why}")
-    tunables = tunables_for(cfg, dev)
+    tunables = [t for t in tunables_for(cfg, dev) if _runs_under(t.op, pc, bi)] if not why else []
     todo = [(b, t) for b in buckets(bucket(max_tokens)) for t in tunables]  # up to the bucket max_tokens falls in
     chosen: dict[str, dict[int, dict[str, Any]]] = {}
     for b, t in tqdm(todo, disable=not progress, desc="dsv41 warm-up", unit="kernel"):
@@ -278,6 +279,19 @@ def warmup(
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     return chosen
+
+
+def _runs_under(op: str, pc: Any, bi: bool) -> bool:
+    """Whether graphs compiled with ``pc`` (in mode ``bi``) can run the kernel of warm-up entry ``op`` ("mhc_post",
+    "wo_a.tilelang", ...): its family and provider switched on (the TileLang ``mhc_pre`` and fused boundary also
+    decline in batch-invariant mode)."""
+    base, _, provider = op.partition(".")
+    family = "mhc" if base.startswith("mhc_") else "wo_a" if base == "wo_a" else "rope_store"
+    if (provider or "triton") not in pc.providers or not getattr(pc, family):
+        return False
+    if base == "mhc_boundary" and not pc.mhc_boundary:
+        return False
+    return not (bi and provider == "tilelang" and base in ("mhc_pre", "mhc_boundary"))
 
 
 def kernel_cache_sizes() -> dict[str, int]:

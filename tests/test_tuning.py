@@ -257,6 +257,30 @@ def test_warmup_leaves_out_kernels_the_model_shapes_do_not_fit(monkeypatch, over
     assert not declined & set(chosen) and "q_rope_store" in chosen, sorted(chosen)
 
 
+def test_warmup_builds_only_what_the_pass_config_runs(monkeypatch):
+    """The warm-up read only the pass config's batch-invariant switch: it built (and timed) kernels of switched-off
+    families and providers, which the compiled graphs never run."""
+    from dsv41_passes.reference import DeepseekV41Config
+
+    monkeypatch.setenv("DSV41_TACTICS", "off")
+    cfg = DeepseekV41Config.tiny(num_hidden_layers=1)
+    chosen = dp.warmup(cfg, max_tokens=1, device="cpu", progress=False,
+                       pass_config=dp.PassConfig(wo_a=False, mhc_boundary=False))
+    assert "wo_a" not in chosen and "mhc_boundary" not in chosen and {"mhc_pre", "q_rope_store"} <= set(chosen)
+    chosen = dp.warmup(cfg, max_tokens=1, device="cpu", progress=False,
+                       pass_config=dp.PassConfig(mhc=False, rope_store=False))
+    assert set(chosen) == {"wo_a"}, chosen
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # no Triton device: nothing to build for the reference
+    assert dp.warmup(cfg, max_tokens=1, device="cpu", progress=False,
+                     pass_config=dp.PassConfig(providers=("reference",))) == {}
+    from dsv41_passes.tuning import _runs_under
+
+    pc = dp.PassConfig()
+    assert _runs_under("mhc_pre.tilelang", pc, False) and not _runs_under("mhc_pre.tilelang", pc, True)
+    assert _runs_under("wo_a.tilelang", pc, True)
+    assert not _runs_under("wo_a.tilelang", dp.PassConfig(providers=("triton", "reference")), False)
+
+
 def test_warmup_without_a_triton_device_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="warm-up builds the Triton kernels: cpu tensors need CUDA or TRITON_INTER"):
