@@ -4,11 +4,12 @@ Accepts one ``.safetensors`` file, or a directory holding either a
 ``*.safetensors.index.json`` (``weight_map`` -> shard file) or plain
 ``*.safetensors`` files. Tensor names are the model's parameter names.
 FP8 (e4m3) weights carry a ``<module>.scale`` tensor (fp32 or e8m0) with one
-scale per ``weight_block_size`` block and are dequantized to bf16 on load; MXFP4
-weights (int8 ``[N, K/2]``, two e2m1 codes a byte, V4.1's routed experts) carry one
-with a scale per row and 32 columns. ``ignore`` names prefixes of checkpoint
-tensors the model has no place for (V4.1's compressor, indexer, Engram, MTP
-layers...): skipped, while a missing model tensor stays an error.
+scale per ``weight_block_size`` block; MXFP4 weights (int8 ``[N, K/2]``, two e2m1
+codes a byte, V4.1's routed experts) carry one with a scale per row and 32 columns.
+Both are dequantized on load: fp32 products, rounded once to the parameter's dtype.
+``ignore`` names prefixes of checkpoint tensors the model has no place for (V4.1's
+compressor, indexer, Engram, MTP layers...): skipped, while a missing model tensor
+stays an error.
 """
 
 from __future__ import annotations
@@ -183,7 +184,9 @@ def load_checkpoint(
                     handles[sfp] = _open(sfp).__enter__()
                 sc = handles[sfp].get_tensor(sname)
                 try:
-                    t = dequant_fp8_weight(t, sc, block) if t.dtype in _FP8 else dequant_mxfp4_weight(t, sc)
+                    # rounded once, to the parameter's dtype (an fp32 one keeps a non-power-of-two scale's bits)
+                    t = (dequant_fp8_weight(t, sc, block, dst.dtype) if t.dtype in _FP8
+                         else dequant_mxfp4_weight(t, sc, dst.dtype))
                 except ValueError as e:
                     raise CheckpointError(f"{sname}: {e}") from None
             dst.copy_(t.to(dst.dtype))

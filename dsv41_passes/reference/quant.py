@@ -28,10 +28,11 @@ def fp8_block_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     return (q.float() * scale).flatten(-2).to(x.dtype)
 
 
-def dequant_fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+def dequant_fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                       dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Dequantize an FP8 block-quantized weight ``[N, K]`` with a ``[ceil(N/bn), ceil(K/bk)]`` scale.
 
-    ``scale`` may be fp32 or e8m0 (``float8_e8m0fnu``); the result is bf16.
+    ``scale`` may be fp32 or e8m0 (``float8_e8m0fnu``); the products are fp32, rounded once to ``dtype``.
     """
     bn, bk = block
     n, k = weight.shape
@@ -39,7 +40,7 @@ def dequant_fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[i
     if tuple(scale.shape) != (sn, sk):
         raise ValueError(f"scale shape {tuple(scale.shape)} does not match weight {n}x{k} in blocks {bn}x{bk}")
     s = scale.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return (weight.float() * s).to(torch.bfloat16)
+    return (weight.float() * s).to(dtype)
 
 
 # e2m1 code -> value: sign bit 3, then the 8 magnitudes of 2 exponent bits and 1 mantissa bit
@@ -47,7 +48,8 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 MXFP4_BLOCK = 32
 
 
-def dequant_mxfp4_weight(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def dequant_mxfp4_weight(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+                         ) -> torch.Tensor:
     """Dequantize an MXFP4 weight (the V4.1 checkpoints' routed experts): ``packed`` int8/uint8 ``[N, K/2]``, two e2m1
     codes a byte, element ``2i`` in the low nibble and ``2i + 1`` in the high one; ``scale`` ``[N, K/32]`` (e8m0 or
     fp32), one a row per 32 columns (the layout DeepSeek's ``inference/convert.py`` unpacks in
@@ -60,4 +62,4 @@ def dequant_mxfp4_weight(packed: torch.Tensor, scale: torch.Tensor) -> torch.Ten
     b = packed.view(torch.uint8).long()
     table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
     w = torch.stack([table[b & 0xF], table[b >> 4]], dim=-1).reshape(n, k)
-    return (w * scale.float().repeat_interleave(MXFP4_BLOCK, 1)).to(torch.bfloat16)
+    return (w * scale.float().repeat_interleave(MXFP4_BLOCK, 1)).to(dtype)

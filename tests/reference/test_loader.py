@@ -195,3 +195,22 @@ def test_mxfp4_expert_weight_and_ignored_prefixes(tmp_path, tiny):
     save_file(sd, tmp_path / "bad.safetensors")
     with pytest.raises(CheckpointError, match=r"experts\.0\.w1\.scale has shape .*1x32 blocks need"):
         load_checkpoint(dst, tmp_path / "bad.safetensors", ignore=("mtp.",))
+
+
+@torch.inference_mode()
+def test_fp8_weight_into_an_fp32_parameter_keeps_the_fp32_products(tmp_path, tiny):
+    """An FP8 weight with fp32 scales that are not powers of two, loaded into an fp32 parameter (the LM head): the
+    products land in fp32 (they were rounded to bf16 first, then widened)."""
+    src = DeepseekV41ForCausalLM(tiny, max_num_tokens=64, seed=1)
+    sd = _state(src)
+    name = "head.weight"
+    assert sd[name].dtype == torch.float32
+    q, scale = quantize_fp8_block(sd[name])
+    scale = scale * 1.2345678  # not a power of two: a product needs more than bf16's 8 bits
+    sd[name], sd["head.scale"] = q, scale
+    save_file(sd, tmp_path / "model.safetensors")
+    dst = DeepseekV41ForCausalLM(tiny, max_num_tokens=64, seed=2)
+    load_checkpoint(dst, tmp_path / "model.safetensors")
+    n, k = q.shape
+    want = (q.float().reshape(n // 32, 32, k // 32, 32) * scale[:, None, :, None]).reshape(n, k)
+    assert torch.equal(dst.get_parameter(name), want)
