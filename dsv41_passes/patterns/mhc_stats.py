@@ -214,7 +214,8 @@ def _softmax(w: _Walk, logits: fx.Node) -> fx.Node:
             amax is not None and sub is not None and sub.args == (logits, amax),
             "softmax max-subtraction not recognised",
         )
-        _need(_dim_ok(amax.args[1], -1, 3) and amax.args[2], "softmax max is not over the last dim")
+        _need(_dim_ok(amax.args[1], -1, 3) and len(amax.args) > 2 and amax.args[2],
+              "softmax max is not over the last dim (keepdim)")
         e = w.one_user(sub, "softmax shift")
         w.add(amax, sub)
     else:

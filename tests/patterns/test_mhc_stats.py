@@ -65,8 +65,8 @@ def _variant(*, rms="mean_square", proj="linear", fold="after", softmax="softmax
         elif softmax == "exp_sum":
             c = c.exp()
             c = c / c.sum(-1, keepdim=True, **acc("softmax"))
-        else:
-            c = (c - c.amax(-1, keepdim=True)).exp()
+        else:  # manual_max; max_no_keepdim: [M, n] broadcast over the rows (where M == n), not the columns
+            c = (c - c.amax(-1, keepdim=softmax != "max_no_keepdim")).exp()
             c = c / c.sum(-1, keepdim=True)
         c = c + eps
         c = c / (c.sum(-2, keepdim=True) + eps)
@@ -161,6 +161,16 @@ def test_near_misses_that_changed_the_result(kw, reason):
     assert rep.skipped and reason in rep.skipped[0].reason, rep.to_markdown()
     for a, b in zip(out, ref):
         assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+
+
+def test_softmax_max_without_keepdim_is_skipped():
+    """c - c.amax(-1) with no keepdim (M == n, so it broadcasts): skipped with a reason (the walker raised an
+    IndexError reading amax's keepdim, and the compile failed)."""
+    out, ref, rep = _run(_variant(softmax="max_no_keepdim"), m=N)
+    assert rep.sites == {}, rep.to_markdown()
+    assert rep.skipped and "softmax max" in rep.skipped[0].reason, rep.to_markdown()
+    for a, b in zip(out, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
 
 
