@@ -159,7 +159,8 @@ def _rstd(w: _Walk, r: fx.Node, xf: fx.Node, k: Any) -> None:
 
 
 def _affine(w: _Walk, sl: fx.Node, idx: int, lo: int, hi: Any) -> fx.Node:
-    """slice * scale[idx] + base[lo:hi] -> the add node; binds scale and base."""
+    """slice * scale[idx] + base[lo:hi] -> the add node; binds scale and base. Only the comb's bias (idx 2, to the
+    end of base) may be open-ended: base[n:] is not base[n:2n] (at n = 1 it broadcasts to two columns)."""
     m = w.one_user(sl, "mix slice")
     _need(_is(m, aten.mul.Tensor), f"mix slice {idx} is not scaled")
     sel = _scalar(m, sl)
@@ -171,7 +172,7 @@ def _affine(w: _Walk, sl: fx.Node, idx: int, lo: int, hi: Any) -> fx.Node:
     _need(_is(a, aten.add.Tensor), f"mix slice {idx} has no bias")
     b = _scalar(a, m)
     _need(_is(b, aten.slice.Tensor) and b.args[1] == 0 and b.args[2] == lo
-          and (b.args[3] == hi or b.args[3] == INT_MAX) and (len(b.args) < 5 or b.args[4] == 1),
+          and (b.args[3] == hi or (idx == 2 and b.args[3] == INT_MAX)) and (len(b.args) < 5 or b.args[4] == 1),
           f"bias of slice {idx} is not base[{lo}:{hi}]")
     for key, node in (("scale", sel.args[0]), ("base", b.args[0])):
         prev = w.bind.setdefault(key, node)

@@ -174,6 +174,31 @@ def test_softmax_max_without_keepdim_is_skipped():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
 
 
+def test_open_ended_post_bias_is_skipped():
+    """post's bias as base[n:] (to the end) instead of base[n:2n]: at hc_mult 1 it broadcasts, and post is [M, 2]
+    (it was rewritten, and the op returned post [M, 1]). One Sinkhorn iteration keeps the compile short."""
+    def fn(h, fn_w, scale, base):
+        n = h.shape[1]
+        xf = h.flatten(1).float()
+        mix = F.linear(xf, fn_w) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + NORM_EPS)
+        pre = torch.sigmoid(mix[:, :n] * scale[0] + base[:n]) + HC_EPS
+        post = 2 * torch.sigmoid(mix[:, n:2 * n] * scale[1] + base[n:])
+        c = (mix[:, 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n)).softmax(-1) + HC_EPS
+        return pre, post, c / (c.sum(-2, keepdim=True) + HC_EPS)
+
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(9, 1, D, generator=g).bfloat16(), torch.randn(3, D, generator=g) / 16,
+            torch.rand(3, generator=g) + 0.5, torch.randn(3, generator=g))
+    torch._dynamo.reset()
+    out = dp.compile(fn, dp.PassConfig(providers=("reference",), hc_sinkhorn_iters=1))(*args)
+    rep = dp.last_report()
+    assert rep.sites == {}, rep.to_markdown()
+    assert rep.skipped and "bias of slice 1" in rep.skipped[0].reason, rep.to_markdown()
+    for a, b in zip(out, fn(*args)):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+
+
 def test_near_miss_in_batch_invariant_mode_stays_skipped():
     """The skipped site's projection GEMM is pinned (bi_matmul, a row of its own); the mhc_stats row stays skipped
     (it read 'rewritten' once the pinning had replaced its anchor)."""
