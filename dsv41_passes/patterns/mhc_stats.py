@@ -391,6 +391,9 @@ def rewrite(graph: fx.Graph, ctx: PassContext) -> int:
         except NoMatch as e:
             ctx.site(mm, "mhc_stats").reasons.append(str(e))
             continue
+        except (IndexError, KeyError, TypeError, AttributeError) as e:  # a form the walker does not know: kept as is
+            ctx.site(mm, "mhc_stats").reasons.append(f"the walker could not read this graph ({type(e).__name__}: {e})")
+            continue
         b = w.bind
         site: Site = ctx.site(mm, "mhc_stats")
         inputs = [b["h"], b["fn"], b["scale"], b["base"]]

@@ -174,6 +174,22 @@ def test_softmax_max_without_keepdim_is_skipped():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
 
 
+def test_a_walker_error_keeps_the_site_unrewritten(monkeypatch):
+    """A graph form the walker reads wrongly (an argument it expected missing: the keepdim case above) is a skipped
+    site with the error as its reason, not a failed compile."""
+    from dsv41_passes.patterns import mhc_stats
+
+    def broken(*a, **k):
+        raise IndexError("tuple index out of range")
+
+    monkeypatch.setattr(mhc_stats, "_softmax", broken)
+    out, ref, rep = _run(_variant())
+    assert rep.sites == {}, rep.to_markdown()
+    assert "could not read this graph (IndexError" in rep.skipped[0].reason, rep.to_markdown()
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+
+
 def test_open_ended_post_bias_is_skipped():
     """post's bias as base[n:] (to the end) instead of base[n:2n]: at hc_mult 1 it broadcasts, and post is [M, 2]
     (it was rewritten, and the op returned post [M, 1]). One Sinkhorn iteration keeps the compile short."""
