@@ -139,13 +139,18 @@ def test_kv_tree_sum_rejects_head_dims_past_its_tree():
 
 @pytest.mark.parametrize("m,d,rd,block,scale", [(37, 64, 16, 32, 4.0), (9, 96, 32, 32, 1e-3), (5, 512, 64, 32, 300.0)])
 def test_kv_tree_sum_option_is_the_reference(m, d, rd, block, scale):
-    """sum="tree" (the layout-independent sum of squares) computes the reference bits too."""
+    """sum="tree" (the layout-independent sum of squares) computes the reference bits too, cache included (a fresh
+    cache for each config: one the config before had filled would pass a config that stores nothing)."""
     cache, kv, weight, cos, sin, slots = _kv_case(m, d, rd, 2 * m + 3, scale)
     want = kv_rope_quant_reference(kv, weight, 1e-6, cos, sin, block)
+    untouched = torch.ones(cache.shape[0], dtype=torch.bool)
+    untouched[slots] = False
     for bt, w in ((1, 2), (4, 4)):
-        out = tk.kv_rope_quant(kv, weight, 1e-6, cos, sin, block, cache, slots, batch_invariant=False,
+        c = cache.clone()
+        out = tk.kv_rope_quant(kv, weight, 1e-6, cos, sin, block, c, slots, batch_invariant=False,
                                config=dict(BLOCK_T=bt, num_warps=w, sum="tree"))
-        assert torch.equal(_bits(out), _bits(want)) and torch.equal(_bits(cache[slots]), _bits(want))
+        assert torch.equal(_bits(out), _bits(want)) and torch.equal(_bits(c[slots]), _bits(want)), bt
+        assert (c[untouched] == POISON).all(), bt
 
 
 # ----------------------------------------------------------------------------- KV tail option
