@@ -288,15 +288,18 @@ def test_rows_do_not_depend_on_the_batch():
     assert torch.equal(alone[0], out[20])
 
 
-def test_launch_configs_agree():
+def test_launch_configs_agree(monkeypatch):
     """A few of the tuner's candidates (those that fit the shape): per-row arithmetic is the same in every
-    config, under the interpreter; at D 96 both KV kernels fit."""
+    config, under the interpreter; at D 96 both KV kernels fit. Each config is recorded under the launchers' own
+    shape keys and read back (a record the launcher does not look up runs the default again, and tests nothing)."""
+    monkeypatch.delenv("DSV41_TACTICS", raising=False)
     buf, q, cos, sin, _ = _q_case(9, 5, 64, 16, 8, 12, strided=False)
     base_q = buf.clone()
     ops.q_rope_store(base_q, q, cos, sin, "triton", 0)
     try:
         for qc in tk.CANDIDATES["q_rope_store"][::17]:
-            tuning.record("q_rope_store", tuning.bucket(9), dict(h=5, d=64, rd=16), qc)
+            tuning.record("q_rope_store", tuning.bucket(9), tk.q_shape_key(q, cos), qc)
+            assert tuning.tactic("q_rope_store", 9, tk.q_shape_key(q, cos), default={}) == qc
             b = buf.clone()
             ops.q_rope_store(b, q, cos, sin, "triton", 0)
             assert torch.equal(b, base_q), qc
@@ -306,7 +309,8 @@ def test_launch_configs_agree():
             fits = [c for c in tkv.CANDIDATES["kv_rope_quant"] if not c.get("blocks") or tkv.kv_blocks_ok(d, rd, 32)]
             assert any(c.get("blocks") for c in fits) == (d == 96)
             for kc in fits[::4]:
-                tuning.record("kv_rope_quant", tuning.bucket(9), dict(d=d, rd=rd, block=32), kc)
+                tuning.record("kv_rope_quant", tuning.bucket(9), tkv.kv_shape_key(kv, kcos, 32), kc)
+                assert tuning.tactic("kv_rope_quant", 9, tkv.kv_shape_key(kv, kcos, 32), default={}) == kc
                 out = ops.kv_rope_quant(kv, weight, 1e-6, kcos, ksin, 32, "triton", 0)
                 assert torch.equal(out, base_kv), (d, kc)
     finally:
