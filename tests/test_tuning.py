@@ -142,6 +142,7 @@ def test_disabled_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("DSV41_TACTICS", "off")
     assert tuning.tactic("mhc_post", 64, KEY, DEFAULT) == DEFAULT
     tuning.record("mhc_post", 128, KEY, {"BLOCK": 1})
+    assert list(tuning.entries().values()) == [{"BLOCK": 128, "num_warps": 4}]  # the record was a no-op
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         assert dp.load_tactics(path) == 0
