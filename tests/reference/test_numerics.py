@@ -54,20 +54,21 @@ def test_model_comb_doubly_stochastic():
 
 def test_mixes_against_float64():
     m, n, d = 33, 4, 64
+    hc_eps, norm_eps = 1e-3, 1e-2  # apart, and large enough to show against a mean square of 1
     h = torch.randn(m, n, d).to(torch.bfloat16)
     fn = torch.randn(24, n * d) / 16
     scale, base = torch.rand(3) + 0.5, torch.randn(24)
-    pre, post, comb = hc_mixes(h, fn, scale, base, 20, 1e-6, 1e-6)
+    pre, post, comb = hc_mixes(h, fn, scale, base, 20, hc_eps, norm_eps)
     xf = h.flatten(1).double()
-    mix = (xf @ fn.double().T) / torch.sqrt(xf.square().mean(-1, keepdim=True) + 1e-6)
+    mix = (xf @ fn.double().T) / torch.sqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
     s, b = scale.double(), base.double()
-    pre64 = torch.sigmoid(mix[:, :4] * s[0] + b[:4]) + 1e-6
+    pre64 = torch.sigmoid(mix[:, :4] * s[0] + b[:4]) + hc_eps
     post64 = 2 * torch.sigmoid(mix[:, 4:8] * s[1] + b[4:8])
-    c = (mix[:, 8:] * s[2] + b[8:]).view(m, 4, 4).softmax(-1) + 1e-6
-    c = c / (c.sum(-2, keepdim=True) + 1e-6)
+    c = (mix[:, 8:] * s[2] + b[8:]).view(m, 4, 4).softmax(-1) + hc_eps
+    c = c / (c.sum(-2, keepdim=True) + hc_eps)
     for _ in range(19):
-        c = c / (c.sum(-1, keepdim=True) + 1e-6)
-        c = c / (c.sum(-2, keepdim=True) + 1e-6)
+        c = c / (c.sum(-1, keepdim=True) + hc_eps)
+        c = c / (c.sum(-2, keepdim=True) + hc_eps)
     torch.testing.assert_close(pre.double(), pre64, rtol=2e-5, atol=2e-6)
     torch.testing.assert_close(post.double(), post64, rtol=2e-5, atol=2e-6)
     torch.testing.assert_close(comb.double(), c, rtol=2e-5, atol=2e-6)
