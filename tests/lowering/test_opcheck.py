@@ -54,8 +54,23 @@ def test_batch_invariant_matmuls_give_a_row_the_same_bits_at_any_m(providers):
     for m, p in ((1, 0), (5, 4), (70, 33)):
         a = torch.randn(m, 48, generator=g).to(BF16)
         a[p] = row[0]
-        outs.append(torch.ops.dsv41.bi_mm(a, w, providers, encode_mode(True))[p])
+        mm = torch.ops.dsv41.bi_mm(a, w, providers, encode_mode(True))
+        _assert_one_rounding(mm, a, w)
+        outs.append(mm[p])
         b = torch.randn(m, 3, 48, generator=g).to(BF16)
         b[p] = row.expand(3, 48)
-        outs.append(torch.ops.dsv41.bi_bmm(b, w.expand(m, 48, 40).contiguous(), providers, encode_mode(True))[p][0])
+        wb = w.expand(m, 48, 40).contiguous()
+        bmm = torch.ops.dsv41.bi_bmm(b, wb, providers, encode_mode(True))
+        _assert_one_rounding(bmm, b, wb)
+        outs.append(bmm[p][0])
     assert all(torch.equal(outs[0], o) for o in outs[::2]) and all(torch.equal(outs[1], o) for o in outs[1::2])
+
+
+def _assert_one_rounding(out, a, b):
+    """The product itself, not only the same bits at every M: one bf16 rounding of the float64 product, plus the
+    fp32 accumulation's error where the 48 terms cancel."""
+    from helpers import assert_within_ulps
+
+    assert out.shape == (*a.shape[:-1], b.shape[-1]) and out.dtype == a.dtype
+    terms = a.double().abs() @ b.double().abs()
+    assert_within_ulps(out, a.double() @ b.double(), 1.0, floor=terms * 2.0**-16)
