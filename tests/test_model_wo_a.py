@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dsv41_passes as dp
-from helpers import EMULATE, eager, packed, tiny_model
+from helpers import EMULATE, eager, packed, tiny_model, unique_graphs
 
 VIEW_OPS = {"reshape.default", "view.default", "_unsafe_view.default", "select.int", "view_as_real.default",
             "slice.Tensor", "unsqueeze.default", "squeeze.dim"}
@@ -34,7 +34,11 @@ def test_tiny_model_fuses_every_wo_a_site():
     n_layers = model.config.num_hidden_layers
     f = dp.compile(model, dp.PassConfig(), options={**EMULATE, "fx_graph_cache": False})
     batches = [packed([5, 9], seed=0), packed([3, 17, 2], seed=1)]  # two token counts, one graph
-    outs = [f(*b) for b in batches]
+    outs, graphs = [], []
+    for b in batches:
+        outs.append(f(*b))
+        graphs.append(unique_graphs())
+    assert graphs[1] == graphs[0], graphs  # the second length compiled nothing new
     rep = dp.last_report()
 
     assert rep.sites.get("wo_a") == n_layers, rep.to_markdown()

@@ -203,3 +203,5 @@ def test_ops_refresh_or_reject_through_the_provider(monkeypatch):
     with pytest.raises(RuntimeError, match=r"static_weights=True"):
         run(True)
     assert launches == []
+    run(False)  # (the spy sees a launch: the check above is not vacuous)
+    assert launches
