@@ -68,24 +68,29 @@ def choose(op: str, priority: str, batch_invariant: bool, *args: Any) -> tuple[P
     why: list[str] = []
     table = _REGISTRY.get(op, {})
     names = priority.split(",")
+    answers: dict[str, str | None] = {}  # each provider's supported() asked once (a Defer asks its target early)
+
+    def ask(p: Provider) -> str | None:
+        if p.name not in answers:
+            answers[p.name] = p.supported(*args, batch_invariant=batch_invariant)
+        return answers[p.name]
+
     for i, name in enumerate(names):
         p = table.get(name)
         if p is None:
             why.append(f"{name}: not implemented for {op}")
             continue
-        reason = p.supported(*args, batch_invariant=batch_invariant)
-        if isinstance(reason, Defer) and not _takes(table, reason.to, names[i + 1:], batch_invariant, args):
-            why.append(f"{name}: runs although {reason} ({reason.to} is not a later provider that takes these inputs)")
-            return p, why
+        reason = ask(p)
+        if isinstance(reason, Defer):
+            target = table.get(reason.to) if reason.to in names[i + 1:] else None
+            if target is None or ask(target) is not None:
+                why.append(f"{name}: runs although {reason} ({reason.to} is not a later provider that takes these "
+                           "inputs)")
+                return p, why
         if reason is None:
             return p, why
         why.append(f"{name}: {reason}")
     return None, why
-
-
-def _takes(table: dict[str, Provider], name: str, later: list[str], batch_invariant: bool, args: tuple) -> bool:
-    p = table.get(name) if name in later else None
-    return p is not None and p.supported(*args, batch_invariant=batch_invariant) is None
 
 
 MODE_BATCH_INVARIANT = 1  # fixed, M-independent configs

@@ -44,3 +44,12 @@ def test_defer_runs_where_its_target_declines(op, monkeypatch):
     assert p.name == "tilelang" and "runs although small" in why[0], why
     p, why = choose(op, "tilelang,triton,reference", False, "small")
     assert p.name == "triton" and why == ["tilelang: small"]
+
+
+def test_each_provider_is_asked_once(op, monkeypatch):
+    asked = []
+    tr = registry._REGISTRY[op]["triton"]
+    counting = dataclasses.replace(tr, supported=lambda x, *, batch_invariant: asked.append(x))
+    monkeypatch.setitem(registry._REGISTRY[op], "triton", counting)
+    p, _ = choose(op, "tilelang,triton,reference", False, "small")
+    assert p.name == "triton" and asked == ["small"]  # the Defer's early question is the loop's answer
