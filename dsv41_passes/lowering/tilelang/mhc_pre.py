@@ -209,6 +209,11 @@ CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-mc-ff"] = dict(_HELD, held_norm=3, hi_mult
 CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re"] = dict(_HELD, held_norm=3, dots_release_early=True)
 CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re"] = dict(CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc"],
                                                            dots_release_early=True)
+# the mhc_pre default with the weight stream multicast to CTA pairs (``-hn3-mc`` measured before the dots' early
+# release, on an H100 only, run 189: within noise). The L2 paces this kernel, most of all on the H200 whose HBM is
+# faster behind the same L2 (run 186: its fabric between the L2 halves 76% busy with held_norm); pairs halve the weight
+# stream, 17% of the SMs' L2 reads at M = 65536 (run 184)
+CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re-mc"] = dict(CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re"], hi_multicast=2)
 # the boundary's with its row's post and comb weights of the next block and its pre weights of the block after
 # prefetched into L1 (``post_prefetch`` k, at step 10 - k of a block): in run 193's Nsight Compute samples of the
 # boundary at M = 65536 (H100) the vector role's first step of a block waited for the loads of those (7.1% of the
@@ -267,7 +272,7 @@ CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ms5"] = dict(CONFIGS["wg1-spl
 # Run 192 measured the fused finish's after its fix: the op 1.495 / 0.3831 / 0.0985 / 0.0528 ms against the default's
 # 1.508 / 0.3737 / 0.0973 / 0.0506 at M = 65536 / 16384 / 4096 / 2048 (-hn3-mc-ff: 1.549 / 0.3933 / 0.1028 / 0.0544),
 # the same bits: not kept.
-UNMEASURED: tuple[str, ...] = ()
+UNMEASURED: tuple[str, ...] = ("wg1-split-v2-ml-pk-dd-xh-hn3-re-mc",)
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
 _ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-ml-pk-dd-xh-hn3-re")
 if _ENV_CONFIG not in CONFIGS:
