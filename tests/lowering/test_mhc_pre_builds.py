@@ -27,7 +27,7 @@ def _stage_of(step: str, stages: int) -> str:
 def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     """The sm_90a build: one wgmma shape (m64n24k16, the 24 mix columns unpadded), rounding spelled out
     (no contraction: nvcc --fmad=false and explicit __f*_rn), the residual loads by TMA with the
-    evict-first hint, no register spills, and the shared memory within the 227 KiB an SM gives a block.
+    evict-first hint (or none with ``loads_evict_first`` off), no register spills, and the shared memory within the 227 KiB an SM gives a block.
     With a producer warpgroup: warp 0 alone issues the copies, each stage's reuse waits for the consumers'
     release, and after the set-up no barrier takes the whole CTA. With two stage rings: warp 1 fills the second,
     and each consumer warpgroup has a loop of its own (its own wgmma, 12 a step). With split roles: warpgroup 1
@@ -126,7 +126,8 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
         streamed, kept = ("wmid", "whi") if cfg.get("ml_stream") else ("whi", "wmid")
         assert src.count(f"tma_load({streamed}_desc, full[") == 4 and f"tma_load({streamed}_desc, wbar[" not in src
         assert src.count(f"tma_load({kept}_desc, wbar[") == 4 and "wlo_desc" not in src
-    assert "tma_load<tl::CacheHintSm90::EVICT_FIRST>(h_desc" in src
+    hint = "<tl::CacheHintSm90::EVICT_FIRST>" if cfg.get("loads_evict_first", True) else ""  # (or the normal policy)
+    assert f"tma_load{hint}(h_desc" in src and (hint or "EVICT_FIRST>(h_desc" not in src)
     if mcast:
         _check_hi_multicast(src, cfg)
     else:
@@ -339,7 +340,9 @@ def test_boundary_build(opts, tmp_path, monkeypatch):
     cfg = dict(tlp.BOUNDARY_CONFIG, boundary=True, **opts)
     k = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, **cfg), True)
     src = k.get_kernel_source()
-    assert "tma_load<tl::CacheHintSm90::EVICT_FIRST>(y_desc, full[" in src
+    hint = "<tl::CacheHintSm90::EVICT_FIRST>" if cfg.get("loads_evict_first", True) else ""
+    assert f"tma_load{hint}(y_desc, full[" in src and f"tma_load{hint}(h_desc" in src
+    assert hint or "EVICT_FIRST>(" not in src
     assert [src.count(f"ready[{i}].init(256);") for i in range(4)] == [1] * 4
     dots, vector = src.split("if (256 <= ((int)threadIdx.x)) {")
     dots = dots[dots.rindex("if (((int)threadIdx.x) < 256) {"):]

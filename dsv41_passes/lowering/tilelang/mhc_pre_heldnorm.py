@@ -24,6 +24,7 @@ def held_norm_loop(T, geo: SimpleNamespace, mc: SimpleNamespace):
     k = geo.held_norm - 1  # the step of a block at which the previous block's rsqrt is read
     x_hints, boundary, post_tma_store, held_prepoll = geo.x_hints, geo.boundary, geo.post_tma_store, geo.held_prepoll
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
+    novec, noxstore = "novec" in geo.flags, "noxstore" in geo.flags  # (``diag`` cuts: wrong results by design)
 
     @T.macro
     def norm_store(x, w_s, buf, off, row, col, c, hf, w8, red):
@@ -32,7 +33,7 @@ def held_norm_loop(T, geo: SimpleNamespace, mc: SimpleNamespace):
         for e in T.vectorized(8):
             w8[e] = w_s[c * bk + hf * 8 + e]
         T.evaluate(T.call_extern("handle", "dsv41_norm_bf16x8", T.address_of(buf[off]), T.address_of(w8[0]), red[1]))
-        if row < m:
+        if row < m and not noxstore:
             if x_hints:
                 T.call_extern("handle", "dsv41_st16_evict_first", T.address_of(x[row, col + hf * 8]),
                               T.address_of(buf[off]))
@@ -66,7 +67,10 @@ def held_norm_loop(T, geo: SimpleNamespace, mc: SimpleNamespace):
                         mc.post_weights(b, row)
                 # the previous block's chunk c leaves first, so its poll and stores overlap the stage's copy (chunks
                 # below k wait in xk for its rsqrt)
-                if j >= 1:
+                if j >= 1 and novec:  # (the group's wait for the norm partials stays)
+                    if c == k:
+                        mc.row_rstd(xss, rb - groups, r, pv, red, held_prepoll)
+                if j >= 1 and not novec:
                     if k > 0:
                         if c < k:
                             for e in T.unroll(8):
@@ -81,18 +85,20 @@ def held_norm_loop(T, geo: SimpleNamespace, mc: SimpleNamespace):
                     if c >= k:
                         norm_store(x, w_s, xb, c * 8, prow, s * ds + c * bk, c, hf, w8, red)
                 timed_wait(full, st, (t // stages) % 2, b.tm, b.tc, 0)
-                mc.load_stream(a0, hv0, st, r, hf)
-                mc.load_stream(a1, hv1, st, r, hf)
-                mc.load_stream(a2, hv2, st, r, hf)
-                mc.load_stream(a3, hv3, st, r, hf)
+                if not novec:
+                    mc.load_stream(a0, hv0, st, r, hf)
+                    mc.load_stream(a1, hv1, st, r, hf)
+                    mc.load_stream(a2, hv2, st, r, hf)
+                    mc.load_stream(a3, hv3, st, r, hf)
                 if boundary:  # the post: the new residual over the stage and to HBM, then the dots may read it
                     mc.post_step(b, st, r, hf, row, s * ds + c * bk, hv0, hv1, hv2, hv3, lt, t, s, g)
                 else:
                     mc.release(empty, st, lt, b.rank)  # the stage's values are in registers
-                mc.sums_collapse(sq, xq, xf, xo, pr, hv0, hv1, hv2, hv3)  # (packed_cvt: the collapse in xf)
-                T.evaluate(mc.cvt_out(T.address_of(xb[c * 8]), T.address_of(xf[0]), T.address_of(xf[0])))
-                for v in T.unroll(vals):
-                    xq[v] = T.ieee_fmaf(xf[v], xf[v], xq[v])
+                if not novec:
+                    mc.sums_collapse(sq, xq, xf, xo, pr, hv0, hv1, hv2, hv3)  # (packed_cvt: the collapse in xf)
+                    T.evaluate(mc.cvt_out(T.address_of(xb[c * 8]), T.address_of(xf[0]), T.address_of(xf[0])))
+                    for v in T.unroll(vals):
+                        xq[v] = T.ieee_fmaf(xf[v], xf[v], xq[v])
                 if boundary:  # (the stage's TMA stores have read it)
                     if post_tma_store and lt < 32:
                         T.tma_store_wait(0)
@@ -103,7 +109,7 @@ def held_norm_loop(T, geo: SimpleNamespace, mc: SimpleNamespace):
                         if mc.count_block is not None:
                             mc.count_block(xss, rb, lt)
         # the last block (unless a block past M came after it and normalized it)
-        if mc.within(nloc - 1, b):
+        if mc.within(nloc - 1, b) and not novec:
             if nloc >= 1:
                 mc.row_rstd(xss, g + (nloc - 1) * groups, r, pv, red)
                 for c in T.unroll(nc):

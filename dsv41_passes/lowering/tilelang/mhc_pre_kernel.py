@@ -124,7 +124,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
           ml48: bool = False, held_norm: int = 0, held_prepoll: bool = False, hi_multicast: int = 0,
           fused_finish: bool = False, finish_consts: tuple | None = None, dots_release_early: bool = False,
           post_prefetch: int = 0, post_store_late: bool = False, vec_release_early: bool = False,
-          ml_stream: bool = False):
+          ml_stream: bool = False, loads_evict_first: bool = True):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
@@ -160,6 +160,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     ``ml_stream`` (``ml48``): the other way round, hi resident and the [mid; lo] part streamed with the stage (a
     [48, 32] chunk a stream and step): 60 KiB of shared memory resident instead of 120, so a fifth stage fits, for
     twice the weight bytes streamed from L2 a step; the same products;
+    ``loads_evict_first`` (on by default): the residual's (and the boundary's y) TMA loads with the L2 evict-first
+    policy; off, the normal one (in ``benchmarks/probe_read_pattern.py`` evict-first loads made a read + write of
+    these bytes 9% slower, run 229);
     ``vec_release_early`` (the normalizing warps; ignored with ``post_tma_store`` or ``held_norm``): the vector
     role releases its stage once it has nothing more to do with it, after its loads of the stage or, with the boundary,
     after its post's ``ready`` arrival, instead of at the end of its step (``held_norm`` does so without the boundary);
@@ -183,8 +186,10 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     kernel after the launch.
     ``diag`` (probe builds only, ``benchmarks/probe_mhc_pre_diag.py``; comma-separated): "timers" has the first thread
     of each role (producer, normalizing warps, dots, vector) count clock64 cycles waiting on its barriers and in all,
-    written over xss at the end (in the partial layout); "nonorm", "novec", "nodots" and "noxstore" drop that work,
-    "nowstream" the streamed weight part's copies, "nopostmath" the post's arithmetic (the boundary: the old residual
+    written over xss at the end (in the partial layout); "nonorm", "novec", "nodots" and "noxstore" drop that work
+    (with ``held_norm``: "novec" leaves the vector role its stage waits, releases and norm partials, zero ones),
+    "nopoll" the wait for a row's 16 norm partials (one poll, whatever it reads), "nowstream" the streamed weight
+    part's copies, "nopostmath" the post's arithmetic (the boundary: the old residual
     is written back as the new one, y unused; wrong results by design).
 
     Arguments: ``h [M, 4d]`` bf16, ``hi/mid/lo [16, 4, 24, d/16]`` bf16 (slice-major parts), ``pre_prev
@@ -209,9 +214,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     if norm_warps not in (2, 3):
         raise ValueError(f"TileLang mhc_pre: the norm runs on warps 2-3 or 1-3 of the producer, got {norm_warps} warps")
     flags = set(diag.split(",")) - {""}
-    if flags - {"timers", "nonorm", "novec", "nodots", "noxstore", "nowstream", "nopostmath"}:
+    if flags - {"timers", "nonorm", "novec", "nodots", "noxstore", "nowstream", "nopostmath", "nopoll"}:
         raise ValueError(f"TileLang mhc_pre: diag {diag!r}: not among timers, nonorm, novec, nodots, noxstore, "
-                         "nowstream, nopostmath")
+                         "nowstream, nopostmath, nopoll")
     if dots_defer and not split_roles:
         raise ValueError("TileLang mhc_pre: dots_defer needs split roles")
     if dots_release_early and not dots_defer:
@@ -285,7 +290,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         producer=producer, post_tma_store=post_tma_store, packed_cvt=packed_cvt, ml48=ml48, held_norm=held_norm,
         held_prepoll=held_prepoll, hi_multicast=hi_multicast, fused_finish=fused_finish, finish_consts=finish_consts,
         dots_release_early=dots_release_early, post_prefetch=post_prefetch, post_store_late=post_store_late,
-        vec_release_early=vec_release_early, ml_stream=ml_stream)
+        vec_release_early=vec_release_early, ml_stream=ml_stream,
+        load_policy="evict_first" if loads_evict_first else "evict_normal")
     mc = kernel_macros(T, geo)
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait
     issue, resident, normalize_blocks = mc.issue, mc.resident, mc.normalize_blocks

@@ -22,6 +22,7 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
     flags, norm_w_smem, norm_prepoll, nmix, stages = g.flags, g.norm_w_smem, g.norm_prepoll, g.nmix, g.stages
     xss_by_row, packed_cvt, ml48 = g.xss_by_row, g.packed_cvt, g.ml48
     ml_stream = g.ml_stream  # (ml48 with hi resident, [mid; lo] in the stage's lo0..lo3)
+    load_policy = g.load_policy  # the residual's (and the boundary's y) TMA loads' L2 eviction policy
     hi_multicast, dots_release_early = g.hi_multicast, g.dots_release_early
     # ``fused_finish``: a warp's publication of a row block's partials (``mhc_pre_finish``)
     count_block = finish_loop(T, g).count_block if g.fused_finish else None
@@ -110,9 +111,10 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
             if not polled or it > 0:
                 poll_issue(xss, rbn, r, pv)
             red[0] = 0.0
-            for s2 in T.unroll(S):
-                red[0] = T.if_then_else(pv[s2] == SENTINEL, 1.0, red[0])
-            if red[0] == 0.0:
+            if "nopoll" not in flags:
+                for s2 in T.unroll(S):
+                    red[0] = T.if_then_else(pv[s2] == SENTINEL, 1.0, red[0])
+            if red[0] == 0.0:  # (diag nopoll: after one poll)
                 T.loop_break()
         red[0] = 0.0
         for s2 in T.unroll(S):  # slice order, as the Triton finish kernel
@@ -295,7 +297,14 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
         a0, a1, a2, a3, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, md0, md1, md2, md3, mds = b.smem
         h, wlo, wmid, x, ws, ss, xss, pre_prev, w_s, s, gi = b.io
         timers_start(b.tm)
+        nodots = "nodots" in flags  # (``diag``: the stage waits and releases alone, no partials)
         for j in T.serial(nloc):
+            if nodots:
+                for c in T.serial(nc):
+                    t = j * nc + c
+                    timed_wait(b.full, t % stages, (t // stages) % 2, b.tm, b.tc, 0)
+                    release(b.empty, t % stages, lt, b.rank)
+                continue
             T.clear(acc_hi)  # (added to by instructions, not by a wgmma)
             for c in T.serial(nc):
                 t = j * nc + c
@@ -345,20 +354,21 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
     @T.macro
     def residual_copies(h, rq, colq, st, a0, a1, a2, a3, full):
         """TMA of the four streams' [bm, 32] chunk at row rq, column colq of each stream, into stage st. The residual
-        is read once: evict it first, so the un-normalized collapse stays in L2 until its normalization."""
+        is read once: with ``loads_evict_first`` (``load_policy``) evicted first, so the un-normalized collapse stays
+        in L2 until its normalization."""
         T.tma_copy(h[rq:rq + bm, 0 * d + colq:0 * d + colq + bk], a0[st, :, :], barrier=full[st],
-                   eviction_policy="evict_first", leader_scope_threads=lead)
+                   eviction_policy=load_policy, leader_scope_threads=lead)
         T.tma_copy(h[rq:rq + bm, 1 * d + colq:1 * d + colq + bk], a1[st, :, :], barrier=full[st],
-                   eviction_policy="evict_first", leader_scope_threads=lead)
+                   eviction_policy=load_policy, leader_scope_threads=lead)
         T.tma_copy(h[rq:rq + bm, 2 * d + colq:2 * d + colq + bk], a2[st, :, :], barrier=full[st],
-                   eviction_policy="evict_first", leader_scope_threads=lead)
+                   eviction_policy=load_policy, leader_scope_threads=lead)
         T.tma_copy(h[rq:rq + bm, 3 * d + colq:3 * d + colq + bk], a3[st, :, :], barrier=full[st],
-                   eviction_policy="evict_first", leader_scope_threads=lead)
+                   eviction_policy=load_policy, leader_scope_threads=lead)
 
     @T.macro
     def y_copy(y, ys, rq, colq, st, full):
         """``boundary``: TMA of the sub-block's output y of the step's chunk into stage st, for the post."""
-        T.tma_copy(y[rq:rq + bm, colq:colq + bk], ys[st, :, :], barrier=full[st], eviction_policy="evict_first",
+        T.tma_copy(y[rq:rq + bm, colq:colq + bk], ys[st, :, :], barrier=full[st], eviction_policy=load_policy,
                    leader_scope_threads=lead)
 
     @T.macro

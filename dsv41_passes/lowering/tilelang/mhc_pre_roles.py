@@ -30,7 +30,7 @@ def consumer_loops(T, geo: SimpleNamespace, mc: SimpleNamespace):
         of the CTA (``nloc`` of them), ``lt`` the thread's index in the warpgroup, ``fr`` its accumulators, ``b``
         the kernel's buffers and indices; ``role``: "both", or with split roles "mma" (the dots, the hi sums and the
         mix partials) or "vec" (the rest)."""
-        if role == "mma" and dots_defer and "nodots" not in flags:
+        if role == "mma" and dots_defer:
             return mc.dots_deferred
         if role == "vec" and geo.held_norm:
             return held_norm_loop(T, geo, mc)
