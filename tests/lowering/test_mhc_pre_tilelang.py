@@ -361,7 +361,7 @@ def test_default_config_from_the_environment():
 
     code = ("from dsv41_passes.lowering.tilelang import mhc_pre as t; "
             "print(t.DEFAULT_CONFIG == t.CONFIGS['wg1-split'], "
-            "t.DEFAULT_CONFIG is t.CONFIGS['wg1-split-v2-ml-pk-dd-xh-hn3-re'])")
+            "t.DEFAULT_CONFIG is t.CONFIGS['wg1-split-v2-ml-pk-dd-xh-hn3-re-ln'])")
     root = str(Path(__file__).resolve().parents[2])
 
     def run(value):

@@ -276,21 +276,26 @@ CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ms5"] = dict(CONFIGS["wg1-spl
 # instead of evict-first (``loads_evict_first`` off): the evict-first policy was chosen for the normalizing warps'
 # reload of the un-normalized collapse, which ``held_norm`` does not have; in ``benchmarks/probe_read_pattern.py`` (a
 # plain pipeline reading the residual in this kernel's order and writing x) evict-first loads took 1.282 against 1.174
-# ms at M = 65536 (run 229, H100), and with the threads' stores cut out this kernel takes 1.03 against 1.36 (run 227)
+# ms at M = 65536 (run 229, H100), and with the threads' stores cut out this kernel takes 1.03 against 1.36 (run 227).
+# Run 230 (H100; the same bits as the Triton kernel and boundary, GPU tests at M = 1, 4096, 4097, 65536): the kernel
+# alone 1.2005 / 0.3059 / 0.0838 ms against 1.3704 / 0.3475 / 0.0871 at 65536 / 16384 / 4096; the fused boundary
+# (probe_mhc_boundary, us) 675.5 / 183.1 against 817.3 / 218.7 at 16384 / 4096 and 2665.6 at 65536. Both the
+# defaults since
 CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re-ln"] = dict(CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re"], loads_evict_first=False)
 CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1-ln"] = dict(
     CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1"], loads_evict_first=False)
-UNMEASURED: tuple[str, ...] = ("wg1-split-v2-ml-pk-dd-xh-hn3-re-ln",)
+UNMEASURED: tuple[str, ...] = ()
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
-_ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-ml-pk-dd-xh-hn3-re")
+_ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-ml-pk-dd-xh-hn3-re-ln")
 if _ENV_CONFIG not in CONFIGS:
     raise ValueError(f"DSV41_MHC_PRE_TILELANG_CONFIG={_ENV_CONFIG!r}: not one of {sorted(CONFIGS)}")
 DEFAULT_CONFIG = CONFIGS[_ENV_CONFIG]
 # the fused boundary's (``mhc_boundary``): with the normalizing warps, which take the norm off the vector role that
 # also computes the post (with ``held_norm`` instead, 5-6% slower: run 185), and the weight stream multicast to CTA
 # pairs (run 191, H100, us: 3602 against 3674 at M = 65536, 899 / 912 at 16384, 231.7 / 234.7 at 4096; the same bits),
-# the dots' early release (run 192, above), the vector role's (run 207, above) and a ring of two blocks (runs 218-219)
-BOUNDARY_CONFIG = CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1"]
+# the dots' early release (run 192, above), the vector role's (run 207, above), a ring of two blocks (runs 218-219)
+# and its loads under the normal L2 policy (run 230, above)
+BOUNDARY_CONFIG = CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1-ln"]
 
 
 def _mid_lo(sliced: torch.Tensor) -> torch.Tensor:
