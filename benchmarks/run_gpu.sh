@@ -80,8 +80,8 @@ for s in $stages; do
       done ;;
     mhc_boundary_isolated)  # the fused boundary (weight stream multicast to CTA pairs since run 191, the dots' early
       # release since run 192, the vector role's since run 207, a ring of two row blocks to the normalizing warps since
-      # run 218, its loads under the normal L2 policy since run 230), the same with the evict-first loads of runs
-      # 191-229, with the ring of three of runs 207-217 and without the vector role's early release: their bits, then
+      # run 218, its loads under the normal L2 policy since run 231), the same with the evict-first loads of runs
+      # 191-230, with the ring of three of runs 207-217 and without the vector role's early release: their bits, then
       # timed
       b=wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc
       run mhc_boundary_isolated_tests ${ISOLATED_LIMIT:-150} python3 -m pytest -q -m gpu \

@@ -27,7 +27,8 @@ def _stage_of(step: str, stages: int) -> str:
 def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     """The sm_90a build: one wgmma shape (m64n24k16, the 24 mix columns unpadded), rounding spelled out
     (no contraction: nvcc --fmad=false and explicit __f*_rn), the residual loads by TMA with the
-    evict-first hint (or none with ``loads_evict_first`` off), no register spills, and the shared memory within the 227 KiB an SM gives a block.
+    evict-first hint (or none with ``loads_evict_first`` off), no register spills, and the shared memory within
+    the 227 KiB an SM gives a block.
     With a producer warpgroup: warp 0 alone issues the copies, each stage's reuse waits for the consumers'
     release, and after the set-up no barrier takes the whole CTA. With two stage rings: warp 1 fills the second,
     and each consumer warpgroup has a loop of its own (its own wgmma, 12 a step). With split roles: warpgroup 1

@@ -212,7 +212,9 @@ CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re"] = dict(CONFIGS["wg1-split-v
 # the mhc_pre default with the weight stream multicast to CTA pairs (``-hn3-mc`` measured before the dots' early
 # release, on an H100 only, run 189: within noise). The L2 paces this kernel, most of all on the H200 whose HBM is
 # faster behind the same L2 (run 186: its fabric between the L2 halves 76% busy with held_norm); pairs halve the weight
-# stream, 17% of the SMs' L2 reads at M = 65536 (run 184)
+# stream, 17% of the SMs' L2 reads at M = 65536 (run 184). Run 225 (H100, the op in turn with the default, the same
+# bits; GPU tests at M = 1, 4096, 4097, 65536): 1.4320 / 0.3571 / 0.0923 / 0.0493 ms against 1.4206 / 0.3582 / 0.0934 /
+# 0.0495 at M = 65536 / 16384 / 4096 / 2048, within noise again: not kept (the H200 not measured)
 CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re-mc"] = dict(CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re"], hi_multicast=2)
 # the boundary's with its row's post and comb weights of the next block and its pre weights of the block after
 # prefetched into L1 (``post_prefetch`` k, at step 10 - k of a block): in run 193's Nsight Compute samples of the
@@ -261,6 +263,22 @@ CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re-ms5"] = dict(CONFIGS["wg1-split-v2-ml-p
                                                       stages=5)
 CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ms5"] = dict(CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re"],
                                                                ml_stream=True, stages=5)
+# the default and the boundary's with the residual's TMA loads (and the boundary's y) under the normal L2 policy
+# instead of evict-first (``loads_evict_first`` off): the evict-first policy was chosen for the normalizing warps'
+# reload of the un-normalized collapse, which ``held_norm`` does not have; in ``benchmarks/probe_read_pattern.py`` (a
+# plain pipeline reading the residual in this kernel's order and writing x) evict-first loads took 1.282 against 1.174
+# ms at M = 65536 (run 230, H100), and with the threads' stores cut out this kernel takes 1.03 against 1.36 (run 229).
+# Run 231 (H100; the same bits as the Triton kernel and boundary, GPU tests at M = 1, 4096, 4097, 65536): the kernel
+# alone 1.2005 / 0.3059 / 0.0838 ms against 1.3704 / 0.3475 / 0.0871 at 65536 / 16384 / 4096; the fused boundary
+# (probe_mhc_boundary, us) 675.5 / 183.1 against 817.3 / 218.7 at 16384 / 4096 and 2665.6 at 65536. Both the
+# defaults since (``DEFAULT_CONFIG``, ``BOUNDARY_CONFIG``)
+CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re-ln"] = dict(CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re"],
+                                                     loads_evict_first=False)
+CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1-ln"] = dict(
+    CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1"], loads_evict_first=False)
+# the new default without the x stores' evict-first hint (``x_hints``): with evict-first loads the hint made the kernel
+# 2.4% faster (run 229: 1.3625 against 1.3947 ms at M = 65536); with the normal policy on the loads not yet measured
+CONFIGS["wg1-split-v2-ml-pk-dd-hn3-re-ln"] = dict(CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re-ln"], x_hints=False)
 # Not kept (measured in runs 173-174 and 179-181, code not in the tree): the row's x loaded before its partials are
 # polled; the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role); the row
 # block's pre weights brought by TMA with its first stage; one stage-barrier arrival a warp instead of a thread;
@@ -272,19 +290,7 @@ CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ms5"] = dict(CONFIGS["wg1-spl
 # Run 192 measured the fused finish's after its fix: the op 1.495 / 0.3831 / 0.0985 / 0.0528 ms against the default's
 # 1.508 / 0.3737 / 0.0973 / 0.0506 at M = 65536 / 16384 / 4096 / 2048 (-hn3-mc-ff: 1.549 / 0.3933 / 0.1028 / 0.0544),
 # the same bits: not kept.
-# the default and the boundary's with the residual's TMA loads (and the boundary's y) under the normal L2 policy
-# instead of evict-first (``loads_evict_first`` off): the evict-first policy was chosen for the normalizing warps'
-# reload of the un-normalized collapse, which ``held_norm`` does not have; in ``benchmarks/probe_read_pattern.py`` (a
-# plain pipeline reading the residual in this kernel's order and writing x) evict-first loads took 1.282 against 1.174
-# ms at M = 65536 (run 229, H100), and with the threads' stores cut out this kernel takes 1.03 against 1.36 (run 227).
-# Run 230 (H100; the same bits as the Triton kernel and boundary, GPU tests at M = 1, 4096, 4097, 65536): the kernel
-# alone 1.2005 / 0.3059 / 0.0838 ms against 1.3704 / 0.3475 / 0.0871 at 65536 / 16384 / 4096; the fused boundary
-# (probe_mhc_boundary, us) 675.5 / 183.1 against 817.3 / 218.7 at 16384 / 4096 and 2665.6 at 65536. Both the
-# defaults since
-CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re-ln"] = dict(CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re"], loads_evict_first=False)
-CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1-ln"] = dict(
-    CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1"], loads_evict_first=False)
-UNMEASURED: tuple[str, ...] = ()
+UNMEASURED: tuple[str, ...] = ("wg1-split-v2-ml-pk-dd-hn3-re-ln",)
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
 _ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-ml-pk-dd-xh-hn3-re-ln")
 if _ENV_CONFIG not in CONFIGS:
@@ -294,7 +300,7 @@ DEFAULT_CONFIG = CONFIGS[_ENV_CONFIG]
 # also computes the post (with ``held_norm`` instead, 5-6% slower: run 185), and the weight stream multicast to CTA
 # pairs (run 191, H100, us: 3602 against 3674 at M = 65536, 899 / 912 at 16384, 231.7 / 234.7 at 4096; the same bits),
 # the dots' early release (run 192, above), the vector role's (run 207, above), a ring of two blocks (runs 218-219)
-# and its loads under the normal L2 policy (run 230, above)
+# and its loads under the normal L2 policy (run 231, above)
 BOUNDARY_CONFIG = CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1-ln"]
 
 

@@ -162,7 +162,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     twice the weight bytes streamed from L2 a step; the same products;
     ``loads_evict_first`` (on by default): the residual's (and the boundary's y) TMA loads with the L2 evict-first
     policy; off, the normal one (in ``benchmarks/probe_read_pattern.py`` evict-first loads made a read + write of
-    these bytes 9% slower, run 229);
+    these bytes 9% slower, run 230);
     ``vec_release_early`` (the normalizing warps; ignored with ``post_tma_store`` or ``held_norm``): the vector
     role releases its stage once it has nothing more to do with it, after its loads of the stage or, with the boundary,
     after its post's ``ready`` arrival, instead of at the end of its step (``held_norm`` does so without the boundary);
