@@ -464,3 +464,28 @@ def test_diag_timers_build(name, tmp_path, monkeypatch):
     assert sorted(int(w or 0) for w in writes) == roles and src.count("clock64()") >= 4 * len(roles)  # a role's rows
     plain = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, **cfg), True).get_kernel_source()
     assert "clock64" not in plain
+
+
+def test_diag_cuts_build_for_held_norm(tmp_path, monkeypatch):
+    """The ``diag`` cuts of the default (``held_norm``, the deferred dots; wrong results by design, for
+    ``probe_mhc_pre_diag.py``): "noxstore" keeps the norm but drops x's stores, "novec" drops the vector role's loads,
+    arithmetic and stores (its stage releases and the group's wait for the norm partials stay), "nodots" has the dots'
+    warpgroup only wait for each stage and release it, "nopoll" reads the partials once without waiting for them."""
+    pytest.importorskip("tilelang")
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not installed: TileLang cannot build the sm_90a cubin")
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+
+    poll = "if ((pv[s2_1] == -0x1p+0f"  # (the norm partial's sentinel, -1)
+    seen = {}
+    for diag in ("", "noxstore", "novec", "nodots", "nopoll"):
+        src = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, **dict(tlp.DEFAULT_CONFIG, diag=diag)), True)
+        dots, vector = src.get_kernel_source().split("if (256 <= ((int)threadIdx.x)) {")
+        seen[diag] = (vector.count("dsv41_st16_evict_first("), vector.count("dsv41_norm_bf16x8("),
+                      vector.count("empty["), poll in vector, "continue;" in dots[dots.rindex("for (int j = 0;"):])
+    assert seen[""] == (3, 3, 1, True, False)  # (the stores of chunks 0-2 at step 2, then one a step)
+    assert seen["noxstore"] == (0, 3, 1, True, False)
+    assert seen["novec"] == (0, 0, 1, True, False)
+    assert seen["nodots"] == (3, 3, 1, True, True)
+    assert seen["nopoll"] == (3, 3, 1, False, False)
