@@ -33,6 +33,7 @@ def main() -> None:
     configs = {
         "default": d0,
         "default, order=col": dict(d0, order="col"),
+        "default, normal loads": dict(d0, loads="normal"),
         "R1 D1024 w4": dict(BLOCK_R=1, BLOCK_D=1024, num_warps=4),
         "R1 D2048 w8": dict(BLOCK_R=1, BLOCK_D=2048, num_warps=8),
         "R2 D1024 w8": dict(BLOCK_R=2, BLOCK_D=1024, num_warps=8),

@@ -104,9 +104,10 @@ def _sm90_builds(d: int = 5120) -> tuple[list[str], list[dict]]:
             num_warps=pc["post_warps"])
     cfg = tk.DEFAULTS["mhc_post"]
     post = dict(D=d, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"], ROW_MAJOR=cfg.get("order", "row") == "row",
-                INTERP=False)
+                INTERP=False, POLICY="evict_first")
     post_ptrs = ("y_ptr", "res_ptr", "post_ptr", "comb_ptr", "out_ptr")
     add("post", "_post_kernel", post_ptrs, (), post, num_warps=cfg["num_warps"])
+    add("post with normal loads", "_post_kernel", post_ptrs, (), dict(post, POLICY=""), num_warps=cfg["num_warps"])
     add("post with FMA contraction", "_post_kernel", post_ptrs, (), post, num_warps=cfg["num_warps"],
         enable_fp_fusion=True)
     return names, builds
@@ -145,6 +146,10 @@ def test_triton_sm90_builds_one_wgmma_shape_and_no_fma():
     default = tk.DEFAULTS["mhc_pre"]
     usage = built[f"pre {default['BLOCK_M']}x{default['num_warps']}"]["usage"]
     assert usage and usage["STACK"] == 0 and usage["REG"] <= 255, usage
+    # the post's loads of y and the residual with the evict-first policy, or (``loads`` "normal") with none
+    loads = [[i for i in instructions(built[n]["ptx"]) if "ld.global" in i] for n in ("post", "post with normal loads")]
+    assert sum("evict_first" in i for i in loads[0]) >= 5, loads[0][:6]
+    assert len(loads[1]) == len(loads[0]) and not any("evict" in i for i in loads[1]), loads[1][:6]
     for n in ("collapse norm=False", "collapse norm=True", "post", "finish kernel 16 partials",
               "finish kernel 32 partials", "pre finish=kernel split=2", "decode pre 16x4 split=2",
               "decode boundary 16x4 split=2", "decode finish kernel", "finish kernel row-major norm",

@@ -40,6 +40,18 @@ def test_collapse_norm_and_post_against_float64():
         assert_equal(out, ref.hc_post(t["y"], t["h"], t["post"], t["comb"]), "post vs reference")
 
 
+def test_post_load_policy_changes_no_value():
+    """The post's loads under the normal L2 policy (``loads`` "normal", a probe's candidate) give the default's bits;
+    an unknown policy is refused."""
+    t = make_inputs(33, 2 * D, seed=4)
+    cfg = tk.default_config("mhc_post")
+    args = (t["y"], t["h"], t["post"], t["comb"])
+    base = tk.mhc_post(*args, batch_invariant=False, config=cfg)
+    assert_equal(tk.mhc_post(*args, batch_invariant=False, config=dict(cfg, loads="normal")), base, "post")
+    with pytest.raises(ValueError, match="evict_first or normal"):
+        tk.mhc_post(*args, batch_invariant=False, config=dict(cfg, loads="evict_last"))
+
+
 @pytest.mark.parametrize("weight", ["w", None])
 def test_pre_equals_collapse_and_stats_bitwise(weight):
     t = with_cancellation(make_inputs(21, D, seed=5))

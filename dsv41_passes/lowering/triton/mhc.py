@@ -70,14 +70,16 @@ from .mhc_projection import _proj_kernel, boundary_fused, mhc_pre, mhc_stats, st
 
 # ----------------------------------------------------------------------------- post
 @triton.jit
-def _post_inputs(y_ptr, res_ptr, rr, stride_y, stride_r, cols, mask, D: tl.constexpr):
-    """The post's inputs at rows ``rr`` and columns ``cols``: y and the four residual streams, as fp32."""
+def _post_inputs(y_ptr, res_ptr, rr, stride_y, stride_r, cols, mask, D: tl.constexpr,
+                 POLICY: tl.constexpr = "evict_first"):
+    """The post's inputs at rows ``rr`` and columns ``cols``: y and the four residual streams, as fp32 (loaded with the
+    L2 eviction ``POLICY``; "" for the normal one)."""
     rb = res_ptr + rr * stride_r + cols
-    return (tl.load(y_ptr + rr * stride_y + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32),
-            tl.load(rb, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32),
-            tl.load(rb + D, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32),
-            tl.load(rb + 2 * D, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32),
-            tl.load(rb + 3 * D, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32))
+    return (tl.load(y_ptr + rr * stride_y + cols, mask=mask, other=0.0, eviction_policy=POLICY).to(tl.float32),
+            tl.load(rb, mask=mask, other=0.0, eviction_policy=POLICY).to(tl.float32),
+            tl.load(rb + D, mask=mask, other=0.0, eviction_policy=POLICY).to(tl.float32),
+            tl.load(rb + 2 * D, mask=mask, other=0.0, eviction_policy=POLICY).to(tl.float32),
+            tl.load(rb + 3 * D, mask=mask, other=0.0, eviction_policy=POLICY).to(tl.float32))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -85,6 +87,7 @@ def _post_kernel(
     y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, M,
     stride_y, stride_r, stride_o,
     D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ROW_MAJOR: tl.constexpr, INTERP: tl.constexpr,
+    POLICY: tl.constexpr,
 ):
     if ROW_MAJOR:  # 1D grid, column blocks of a row block back to back: consecutive programs stream one span
         NCB: tl.constexpr = (D + BLOCK_D - 1) // BLOCK_D
@@ -96,7 +99,7 @@ def _post_kernel(
     cols = cb * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = (rows < M)[:, None] & (cols < D)[None, :]
     rr = rows[:, None]
-    yv, r0, r1, r2, r3 = _post_inputs(y_ptr, res_ptr, rr, stride_y, stride_r, cols[None, :], mask, D)
+    yv, r0, r1, r2, r3 = _post_inputs(y_ptr, res_ptr, rr, stride_y, stride_r, cols[None, :], mask, D, POLICY)
     rm = rows < M
     cb = comb_ptr + rows * 16
     pb = post_ptr + rows * 4
@@ -126,11 +129,17 @@ def mhc_post(y, res, post, comb, *, batch_invariant: bool, config: dict | None =
     cfg = config or tactic("mhc_post", m, dict(d=d, n=n), default_config("mhc_post"), batch_invariant=batch_invariant)
     block_d = min(cfg["BLOCK_D"], triton.next_power_of_2(d))
     row_major = cfg.get("order", "row") == "row"
+    # the loads' L2 policy ("evict_first", the default, or "normal": in a TileLang pipeline that reads the residual and
+    # writes, evict-first loads were 9-12% slower on an H100, run 230; this kernel not measured yet)
+    loads = cfg.get("loads", "evict_first")
+    if loads not in ("evict_first", "normal"):
+        raise ValueError(f"mhc_post: loads {loads!r}: evict_first or normal")
     rblocks, cblocks = triton.cdiv(m, cfg["BLOCK_R"]), triton.cdiv(d, block_d)
     grid = (rblocks * cblocks,) if row_major else (rblocks, cblocks)
     _post_kernel[grid](
         y, res, post, comb, out, m, y.stride(0), res.stride(0), out.stride(0),
         D=d, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=block_d, ROW_MAJOR=row_major, INTERP=INTERPRET,
+        POLICY="evict_first" if loads == "evict_first" else "",
         num_warps=cfg["num_warps"],
         **LAUNCH_OPTIONS,
     )
