@@ -81,14 +81,14 @@ for s in $stages; do
     mhc_boundary_isolated)  # the fused boundary (weight stream multicast to CTA pairs since run 191, the dots' early
       # release since run 192, the vector role's since run 207, a ring of two row blocks to the normalizing warps since
       # run 218, its loads under the normal L2 policy since run 231), the same with the evict-first loads of runs
-      # 191-230, with the ring of three of runs 207-217 and without the vector role's early release: their bits, then
-      # timed
+      # 191-230, with the new residual's stores evict-first (unmeasured), with the ring of three of runs 207-217 and
+      # without the vector role's early release: their bits, then timed
       b=wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc
       run mhc_boundary_isolated_tests ${ISOLATED_LIMIT:-150} python3 -m pytest -q -m gpu \
         tests/lowering/test_mhc_pre_tilelang.py -p no:cacheprovider -rfE \
-        -k "fused_boundary_matches and (default or vec_release_early or lag or loads_evict) and not (hi_multicast)"
+        -k "fused_boundary_matches and (default or vec_release_early or lag or loads_evict or post_evict) and not (hi_multicast)"
       [ $? -eq 124 ] || run mhc_boundary_isolated ${BOUNDARY_LIMIT:-240} python3 benchmarks/probe_mhc_boundary.py \
-        --no-fused --no-post-collapse --tilelang --tilelang-configs $b-re-ve-lg1-ln,$b-re-ve-lg1,$b-re-ve,$b-re \
+        --no-fused --no-post-collapse --tilelang --tilelang-configs $b-re-ve-lg1-ln,$b-re-ve-lg1-ln-pe,$b-re-ve-lg1,$b-re-ve,$b-re \
         ${BOUNDARY_MS:-65536 16384 4096} ;;
     mhc_boundary_timers)  # without the vector role's early release, with five stages, and with cuts: how fast the
       # rest runs without the post's arithmetic / the norm (the vector role cannot be cut in the boundary, its post

@@ -33,7 +33,8 @@ PRE_CONFIG_NAMES = ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-produce
                     "wg1-split-v2-ml-pk-dd-hn3-re-ln",
                     "wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve", "wg1-split-v2-ml-pk-dd-xh-hn3-re-ms5",
                     "wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ms5", "wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1",
-                    "wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1-ln"]
+                    "wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1-ln",
+                    "wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1-ln-pe"]
 # the fused boundary's build options its build and GPU tests take on its config (BOUNDARY_CONFIG: it has hi_multicast
 # 2, dots_defer, packed_cvt, ml48, vec_release_early, lag 1 and its loads under the normal L2 policy; lag 2, the
 # config of runs 207-217; the evict-first loads of runs 191-230; the multicast off,
@@ -41,6 +42,7 @@ PRE_CONFIG_NAMES = ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-produce
 BOUNDARY_OPTS = [{}, {"post_tma_store": True}, {"packed_cvt": False}, {"dots_release_early": False},
                  {"post_prefetch": 2}, {"post_store_late": True}, {"vec_release_early": False}, {"lag": 2},
                  {"ml_stream": True, "stages": 5}, {"hi_multicast": 0}, {"loads_evict_first": True},
+                 {"post_evict_first": True},
                  {"hi_multicast": 0, "dots_defer": False, "dots_release_early": False},
                  {"hi_multicast": 0, "ml48": False},
                  {"hi_multicast": 0, "held_norm": 2, "norm_wg": False, "norm_w_smem": False, "lag": 2}]

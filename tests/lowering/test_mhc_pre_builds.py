@@ -364,12 +364,15 @@ def test_boundary_build(opts, tmp_path, monkeypatch):
     else:  # to HBM once the stage is handed to the dots: the async-proxy fence has no global stores to order
         assert "new_res + " not in post
         tail = vector[vector.index("tl::fence_proxy_async();"):]
-        assert tail.index("].arrive();") < tail.index("*(uint4*)(new_res + ")
+        # (post_evict_first: by the 16-byte evict-first helper, 4 streams x the thread's runs a step)
+        store = "dsv41_st16_evict_first((&(new_res[" if cfg.get("post_evict_first") else "*(uint4*)(new_res + "
+        assert vector.count(store) == 1 and ("*(uint4*)(new_res + " in vector) != bool(cfg.get("post_evict_first"))
+        assert tail.index("].arrive();") < tail.index(store)
         # (the stores read registers: with vec_release_early the stage may go back before them)
-        assert tail.index("*(uint4*)(new_res + ") < tail.index("empty[") or cfg.get("vec_release_early")
+        assert tail.index(store) < tail.index("empty[") or cfg.get("vec_release_early")
         if cfg.get("norm_wg"):  # post_store_late: after the step's x stores (the x_hints helper), else before them
             xs = tail.index("dsv41_st16_evict_last(")
-            assert (xs < tail.index("*(uint4*)(new_res + ")) == bool(cfg.get("post_store_late"))
+            assert (xs < tail.index(store)) == bool(cfg.get("post_store_late"))
             # vec_release_early: the stage goes back right after the post's stores, before the collapse and x stores
             assert (tail.index("empty[") < xs) == bool(cfg.get("vec_release_early"))
             # the thread's arrival (and with a CTA pair its warp's one on the other CTA's barrier)
@@ -420,6 +423,9 @@ def test_boundary_inputs_are_checked():
         tlp.mhc_boundary(y, h, post, comb[:, :2], pp, sliced, *args)
     with pytest.raises(ValueError, match="boundary .post fused. needs the normalizing warps"):
         tlp.build(FLASH_D, 8, EPS, **dict(tlp.CONFIGS["wg1-split-v2"], boundary=True))
+    for bad in (dict(x_hints=False), dict(post_tma_store=True)):  # (the evict-first helper comes with x_hints)
+        with pytest.raises(ValueError, match="post_evict_first is for the boundary with x_hints"):
+            tlp.build(FLASH_D, 8, EPS, **dict(tlp.BOUNDARY_CONFIG, boundary=True, post_evict_first=True, **bad))
     with pytest.raises(ValueError, match="post_tma_store is for the boundary"):
         tlp.build(FLASH_D, 8, EPS, **dict(tlp.DEFAULT_CONFIG, post_tma_store=True))
     with pytest.raises(ValueError, match="nopostmath is for the boundary"):

@@ -124,7 +124,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
           ml48: bool = False, held_norm: int = 0, held_prepoll: bool = False, hi_multicast: int = 0,
           fused_finish: bool = False, finish_consts: tuple | None = None, dots_release_early: bool = False,
           post_prefetch: int = 0, post_store_late: bool = False, vec_release_early: bool = False,
-          ml_stream: bool = False, loads_evict_first: bool = True):
+          ml_stream: bool = False, loads_evict_first: bool = True, post_evict_first: bool = False):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
@@ -163,6 +163,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     ``loads_evict_first`` (on by default): the residual's (and the boundary's y) TMA loads with the L2 evict-first
     policy; off, the normal one (in ``benchmarks/probe_read_pattern.py`` evict-first loads made a read + write of
     these bytes 9% slower, run 230);
+    ``post_evict_first`` (the boundary, with ``x_hints``, without ``post_tma_store``): the new residual's stores with
+    the L2 evict-first policy (the x stores' helper), not the normal one;
     ``vec_release_early`` (the normalizing warps; ignored with ``post_tma_store`` or ``held_norm``): the vector
     role releases its stage once it has nothing more to do with it, after its loads of the stage or, with the boundary,
     after its post's ``ready`` arrival, instead of at the end of its step (``held_norm`` does so without the boundary);
@@ -224,6 +226,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     # the post's options: a boundary config built as an mhc_pre (no post) leaves them out
     post_prefetch = int(post_prefetch) if boundary else 0
     post_store_late = bool(post_store_late) and boundary
+    post_evict_first = bool(post_evict_first) and boundary
+    if post_evict_first and (post_tma_store or not x_hints):
+        raise ValueError("TileLang mhc_pre: post_evict_first is for the boundary with x_hints, without post_tma_store")
     if post_prefetch and (held_norm or not 1 <= post_prefetch <= nc):
         raise ValueError(f"TileLang mhc_pre: post_prefetch {post_prefetch} is for the boundary with the normalizing "
                          f"warps, 1 to {nc} steps ahead")
@@ -290,6 +295,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         producer=producer, post_tma_store=post_tma_store, packed_cvt=packed_cvt, ml48=ml48, held_norm=held_norm,
         held_prepoll=held_prepoll, hi_multicast=hi_multicast, fused_finish=fused_finish, finish_consts=finish_consts,
         dots_release_early=dots_release_early, post_prefetch=post_prefetch, post_store_late=post_store_late,
+        post_evict_first=post_evict_first,
         vec_release_early=vec_release_early, ml_stream=ml_stream,
         load_policy="evict_first" if loads_evict_first else "evict_normal")
     mc = kernel_macros(T, geo)

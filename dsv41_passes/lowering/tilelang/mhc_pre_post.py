@@ -13,7 +13,7 @@ def post_macros(T, g: SimpleNamespace, cvt_in, cvt_out) -> SimpleNamespace:
     ``mhc_pre_macros``' packed bf16 conversions)."""
     m, d, nrun, vals, run_col, packed_cvt = g.m, g.d, g.nrun, g.vals, g.run_col, g.packed_cvt
     stages, groups, bm, ds, bk, nc, post_tma_store = g.stages, g.groups, g.bm, g.ds, g.bk, g.nc, g.post_tma_store
-    post_store_late = g.post_store_late
+    post_store_late, post_evict_first = g.post_store_late, g.post_evict_first
     no_math = "nopostmath" in g.flags  # (diag: the old residual written back unchanged)
     bf16, f32 = "bfloat16", "float32"
 
@@ -105,14 +105,19 @@ def post_macros(T, g: SimpleNamespace, cvt_in, cvt_out) -> SimpleNamespace:
     def post_global(b, row, col, hf):
         """``boundary`` without ``post_tma_store``: this thread's values of the step's chunk of the new residual to
         HBM (after the stage's ``ready`` arrival: the async-proxy fence before it then has no global stores to
-        order)."""
+        order); with ``post_evict_first`` by the 16-byte evict-first store helper."""
         new_res = b.post[3]
         nb = b.post_regs[1]
         if row < m:
             for k in T.unroll(4):
                 for u in T.unroll(nrun):
-                    for e in T.vectorized(8):
-                        new_res[row, k * d + col + run_col(hf, u) + e] = nb[k * vals + u * 8 + e]
+                    if post_evict_first:
+                        T.call_extern("handle", "dsv41_st16_evict_first",
+                                      T.address_of(new_res[row, k * d + col + run_col(hf, u)]),
+                                      T.address_of(nb[k * vals + u * 8]))
+                    else:
+                        for e in T.vectorized(8):
+                            new_res[row, k * d + col + run_col(hf, u) + e] = nb[k * vals + u * 8 + e]
 
     @T.macro
     def post_store(b, t, s, gi):
