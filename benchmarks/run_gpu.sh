@@ -9,6 +9,7 @@
 # at a time, their bits and their probe (the whole op, kernel and stats, against the default's) each in its own
 # process with a short limit (a barrier that never completes costs that process only); mhc_boundary_isolated does the
 # same for the fused boundary (the default, with the ring of runs 207-217, without the vector role's early release);
+# mhc_cuts times the mhc_pre default's kernel with diag cuts (no x stores, no dots, the pipeline alone);
 # mhc_boundary_timers has the fused boundary's roles count their waits (clock64 timers: where its time goes; without
 # the vector role's early release, with five stages, without the post's arithmetic, without the norm); mhc_boundary_ncu samples its warps'
 # states by SASS instruction (Nsight Compute); mhc_stats_kernel tests and times the TileLang mhc_pre's stats kernel (one
@@ -63,6 +64,11 @@ for s in $stages; do
                # compiles for minutes (run 205: 370 s for M = 16384, then the 330 s budget of then skipped the rest)
     mhc_unmeasured) run mhc_unmeasured ${UNMEASURED_LIMIT:-300} python3 benchmarks/probe_mhc_pre_diag.py \
                       ${UNMEASURED_MS:-65536,16384,4096} $(unmeasured plain) --with-timers ;;
+    mhc_cuts)  # where the mhc_pre default's time goes: its kernel without x's stores, without the dots, without both
+      # the dots and the vector work (the pipeline alone), with timers (runs 228-229 did it for the default of then)
+      run mhc_cuts ${CUTS_LIMIT:-240} python3 benchmarks/probe_mhc_pre_diag.py ${CUTS_MS:-65536,16384} \
+        'noxstore={"diag": "noxstore"}' 'nodots={"diag": "nodots"}' 'nodots-noxstore={"diag": "nodots,noxstore"}' \
+        'nodots-novec={"diag": "nodots,novec"}' --with-timers ;;
     mhc_unmeasured_tests)
       k=$(unmeasured plain | sed 's/ / or /g')
       k="${k:+$k or }(fused_boundary and not hi_multicast)"
