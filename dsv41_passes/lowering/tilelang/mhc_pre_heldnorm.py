@@ -67,9 +67,9 @@ def held_norm_loop(T, geo: SimpleNamespace, mc: SimpleNamespace):
                         mc.post_weights(b, row)
                 # the previous block's chunk c leaves first, so its poll and stores overlap the stage's copy (chunks
                 # below k wait in xk for its rsqrt)
-                if j >= 1 and novec:  # (the group's wait for the norm partials stays)
+                if j >= 1 and novec:  # (the group's wait for the norm partials stays; no poll issued ahead)
                     if c == k:
-                        mc.row_rstd(xss, rb - groups, r, pv, red, held_prepoll)
+                        mc.row_rstd(xss, rb - groups, r, pv, red)
                 if j >= 1 and not novec:
                     if k > 0:
                         if c < k:
