@@ -495,3 +495,20 @@ def test_diag_cuts_build_for_held_norm(tmp_path, monkeypatch):
     assert seen["novec"] == (0, 0, 1, True, False)
     assert seen["nodots"] == (3, 3, 1, True, True)
     assert seen["nopoll"] == (3, 3, 1, False, False)
+
+
+def test_diag_nodots_keeps_the_fused_finish_count(tmp_path, monkeypatch):
+    """``diag`` "nodots" with ``fused_finish``: the dots' warps still count each row block (before the cut's
+    ``continue``), or the finishing warps, which wait for 16 CTAs x 12 warps, would spin forever."""
+    pytest.importorskip("tilelang")
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not installed: TileLang cannot build the sm_90a cubin")
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+
+    cfg = dict(tlp.CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-ff"], diag="nodots", finish_consts=(ITERS, HC_EPS, NORM_EPS))
+    src = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, **cfg), True).get_kernel_source()
+    body = src[src.index("__global__ void __launch_bounds__"):]
+    dots = body.split("if (128 <= ((int)threadIdx.x)) {", 1)[1].split("if (256 <= ((int)threadIdx.x)) {")[0]
+    loop = dots[dots.rindex("for (int j"):]
+    assert "continue;" in loop and "dsv41_count_release(" in loop.split("continue;")[0]

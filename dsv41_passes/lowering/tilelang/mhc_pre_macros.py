@@ -304,6 +304,9 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                     t = j * nc + c
                     timed_wait(b.full, t % stages, (t // stages) % 2, b.tm, b.tc, 0)
                     release(b.empty, t % stages, lt, b.rank)
+                if count_block is not None:  # (fused_finish: still counted, or the finishing warps wait forever)
+                    if within(j, b):
+                        count_block(xss, gi + j * groups, lt)
                 continue
             T.clear(acc_hi)  # (added to by instructions, not by a wgmma)
             for c in T.serial(nc):
