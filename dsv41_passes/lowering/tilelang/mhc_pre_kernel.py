@@ -20,8 +20,9 @@ have to move). Here:
   columns are not padded to 32 (TileLang splits an N of 24 into n8 atoms; ``_n24`` lets it emit the one
   instruction). The wgmmas run asynchronously beside the sums of squares and the collapse, which read the
   same shared tiles.
-* The collapse of a row block is written un-normalized (it should stay in L2: the residual is loaded
-  evict-first) and the CTA publishes its slice partials at the block's end: mixes and sums of squares
+* The collapse of a row block is written un-normalized (it should stay in L2: with ``loads_evict_first`` the
+  residual is loaded evict-first; the defaults load it under the normal policy since run 231, which was
+  faster) and the CTA publishes its slice partials at the block's end: mixes and sums of squares
   in the Triton finish kernel's layout, the norm's sum of squares last, into a buffer filled with
   ``SENTINEL`` before the launch. Then its rows are normalized once the 16 slices' norm partials are in
   (polled with relaxed loads; those values are the only data read from other CTAs, so no fence or counter
