@@ -67,11 +67,9 @@ def held_norm_loop(T, geo: SimpleNamespace, mc: SimpleNamespace):
                         mc.post_weights(b, row)
                 # the previous block's chunk c leaves first, so its poll and stores overlap the stage's copy (chunks
                 # below k wait in xk for its rsqrt)
-                if j >= 1 and novec:  # (the group's wait for the norm partials stays; no poll issued ahead)
-                    if c == k:
-                        mc.row_rstd(xss, rb - groups, r, pv, red)
-                if j >= 1 and not novec:
-                    if k > 0:
+                # (diag novec: only the group's wait for the norm partials stays)
+                if j >= 1:
+                    if k > 0 and not novec:
                         if c < k:
                             for e in T.unroll(8):
                                 xk[c * 8 + e] = xb[c * 8 + e]
@@ -79,10 +77,10 @@ def held_norm_loop(T, geo: SimpleNamespace, mc: SimpleNamespace):
                         mc.poll_issue(xss, rb - groups, r, pv)
                     if c == k:
                         mc.row_rstd(xss, rb - groups, r, pv, red, held_prepoll)
-                        if k > 0:
+                        if k > 0 and not novec:
                             for c0 in T.unroll(k):
                                 norm_store(x, w_s, xk, c0 * 8, prow, s * ds + c0 * bk, c0, hf, w8, red)
-                    if c >= k:
+                    if c >= k and not novec:
                         norm_store(x, w_s, xb, c * 8, prow, s * ds + c * bk, c, hf, w8, red)
                 timed_wait(full, st, (t // stages) % 2, b.tm, b.tc, 0)
                 if not novec:
