@@ -123,9 +123,21 @@ def dispatch(op: str, priority: str, mode: int, *args: Any) -> Any:
     p, why = choose(op, priority, batch_invariant, *args)
     if p is None:
         raise RuntimeError(f"dsv41::{op}: no provider can run these inputs ({'; '.join(why)})")
-    if p.wants_mode:
-        return p.fn(*args, batch_invariant=batch_invariant, mode=mode)
-    return p.fn(*args, batch_invariant=batch_invariant)
+    kw = {"batch_invariant": batch_invariant, "mode": mode} if p.wants_mode else {"batch_invariant": batch_invariant}
+    dev = _cuda_device_of(args)
+    if dev is not None and dev.index is not None and dev.index != torch.cuda.current_device():
+        # Triton and TileLang launch on the current device: run where the inputs are (as torch's own ops do)
+        with torch.cuda.device(dev):
+            return p.fn(*args, **kw)
+    return p.fn(*args, **kw)
+
+
+def _cuda_device_of(args: tuple) -> torch.device | None:
+    """The device of the first CUDA tensor argument (one_device() has checked they agree), else None."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device if a.device.type == "cuda" else None
+    return None
 
 
 def one_device(op: str, *tensors: torch.Tensor | None) -> None:
