@@ -313,7 +313,10 @@ def _finish_kernel(
         nstats = tl.cdiv(M, BM) * (BM // FB)
         if pid < nstats:
             rb = pid // (BM // FB)
-            rq = pid % (BM // FB) * FB + tl.arange(0, FB)
+            q0 = pid % (BM // FB) * FB
+            if rb * BM + q0 >= M:  # none of its rows is live (small M): skip the Sinkhorn of masked rows
+                return
+            rq = q0 + tl.arange(0, FB)
             _finish_stats(ws_ptr, ss_ptr, rb, rq, M, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, mix_ptr,
                           iters, hc_eps, norm_eps, 4 * D, BM, FB, MIXES, NPART, NP2)
         elif NORM:
@@ -330,7 +333,10 @@ def _finish_kernel(
     rmask = rows < M
     slot0 = rb * NPART
     if part >= PARTS:  # stats of rows [q * FB, (q + 1) * FB) of the block
-        rq = (part - PARTS) * FB + tl.arange(0, FB)
+        q0 = (part - PARTS) * FB
+        if rb * BM + q0 >= M:  # none of its rows is live
+            return
+        rq = q0 + tl.arange(0, FB)
         _finish_stats(ws_ptr, ss_ptr, rb, rq, M, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, mix_ptr,
                       iters, hc_eps, norm_eps, 4 * D, BM, FB, MIXES, NPART, NP2)
     elif NORM:

@@ -174,9 +174,10 @@ def _proj_kernel(
     if arrived == NPART - 1:
         slot0 = rb * NPART
         for q in tl.static_range(BM // FB):
-            rq = q * FB + tl.arange(0, FB)
-            _finish_stats(ws_ptr, ss_ptr, rb, rq, M, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, mix_ptr,
-                          iters, hc_eps, norm_eps, K, BM, FB, MIXES, NPART, NP2)
+            if rb * BM + q * FB < M:  # some of these rows are live
+                rq = q * FB + tl.arange(0, FB)
+                _finish_stats(ws_ptr, ss_ptr, rb, rq, M, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
+                              mix_ptr, iters, hc_eps, norm_eps, K, BM, FB, MIXES, NPART, NP2)
         if NORM:
             xs = _norm_sumsq(xss_ptr, slot0, r, rmask, BM, NPART, ".cg", BM)
             _normalize_rows(x_ptr, w_ptr, rows, rmask, stride_x, xs, eps, D, XB, ".cg", INTERP)
