@@ -16,7 +16,7 @@ ALL_KINDS = {"mhc_stats", "mhc_collapse", "mhc_post", "q_rope_store", "kv_rope_s
 
 
 # runs the script as ``python script args`` would (argv, __main__, its folder first on sys.path), after installing
-# the tests' interpreter speed-up where the kernels run interpreted (half of an example's time without it)
+# the tests' interpreter speed-up where the kernels run interpreted (example 01: 75 s without it, 49 s with it)
 _BOOT = ("import os, runpy, sys; script = sys.argv[1]; sys.argv = sys.argv[1:]; "
          "sys.path[0] = os.path.dirname(script)\n"
          "if os.environ.get('TRITON_INTERPRET') == '1':\n"

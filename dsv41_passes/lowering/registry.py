@@ -125,7 +125,7 @@ def dispatch(op: str, priority: str, mode: int, *args: Any) -> Any:
         raise RuntimeError(f"dsv41::{op}: no provider can run these inputs ({'; '.join(why)})")
     kw = {"batch_invariant": batch_invariant, "mode": mode} if p.wants_mode else {"batch_invariant": batch_invariant}
     dev = _cuda_device_of(args)
-    if dev is not None and dev.index is not None and dev.index != torch.cuda.current_device():
+    if dev is not None and dev.index != torch.cuda.current_device():
         # Triton and TileLang launch on the current device: run where the inputs are (as torch's own ops do)
         with torch.cuda.device(dev):
             return p.fn(*args, **kw)
