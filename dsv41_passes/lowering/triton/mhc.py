@@ -70,8 +70,7 @@ from .mhc_projection import _proj_kernel, boundary_fused, mhc_pre, mhc_stats, st
 
 # ----------------------------------------------------------------------------- post
 @triton.jit
-def _post_inputs(y_ptr, res_ptr, rr, stride_y, stride_r, cols, mask, D: tl.constexpr,
-                 POLICY: tl.constexpr = "evict_first"):
+def _post_inputs(y_ptr, res_ptr, rr, stride_y, stride_r, cols, mask, D: tl.constexpr, POLICY: tl.constexpr):
     """The post's inputs at rows ``rr`` and columns ``cols``: y and the four residual streams, as fp32 (loaded with the
     L2 eviction ``POLICY``; "" for the normal one)."""
     rb = res_ptr + rr * stride_r + cols
@@ -242,7 +241,7 @@ def _post_collapse_kernel(
     c30, c31, c32, c33 = _row_coefs(comb_ptr + rows * 16 + 12, rmask)
     for j in range(D // BLOCK_D):
         cols = j * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]
-        yv, r0, r1, r2, r3 = _post_inputs(y_ptr, res_ptr, rr, stride_y, stride_r, cols, m2, D)
+        yv, r0, r1, r2, r3 = _post_inputs(y_ptr, res_ptr, rr, stride_y, stride_r, cols, m2, D, "evict_first")
         nb = new_ptr + rr * stride_n + cols
         h0b, h0 = _round_bf16(_combine(yv, r0, r1, r2, r3, q0, c00, c10, c20, c30), INTERP)
         h1b, h1 = _round_bf16(_combine(yv, r0, r1, r2, r3, q1, c01, c11, c21, c31), INTERP)
