@@ -13,6 +13,11 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import dsv41_passes, torc
   .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==2.13.0"
   .venv/bin/python -m pip install -q -e ".[triton,tilelang,dev,examples]"
 fi
+# the GPU image's Triton (3.6), beside this one, for the tests that build the kernels for sm_90 (tests/sm90.py)
+if [ "${1:-demo}" = test ] && [ ! -d .venv/gpu-triton/triton ]; then
+  .venv/bin/python -m pip install -q --no-deps --target .venv/gpu-triton "triton==3.6.0" >/dev/null 2>&1 ||
+    echo "note: triton 3.6.0 could not be installed; the sm_90 builds use this environment's Triton only" >&2
+fi
 cmd=${1:-demo}
 shift || true
 case "$cmd" in
