@@ -104,11 +104,10 @@ def _sm90_builds(d: int = 5120) -> tuple[list[str], list[dict]]:
             num_warps=pc["post_warps"])
     cfg = tk.DEFAULTS["mhc_post"]
     post = dict(D=d, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"], ROW_MAJOR=cfg.get("order", "row") == "row",
-                INTERP=False, POLICY="" if cfg.get("loads") == "normal" else "evict_first")
+                INTERP=False, POLICY="evict_first")
     post_ptrs = ("y_ptr", "res_ptr", "post_ptr", "comb_ptr", "out_ptr")
     add("post", "_post_kernel", post_ptrs, (), post, num_warps=cfg["num_warps"])
-    add("post with evict-first loads", "_post_kernel", post_ptrs, (), dict(post, POLICY="evict_first"),
-        num_warps=cfg["num_warps"])
+    add("post with normal loads", "_post_kernel", post_ptrs, (), dict(post, POLICY=""), num_warps=cfg["num_warps"])
     add("post with FMA contraction", "_post_kernel", post_ptrs, (), post, num_warps=cfg["num_warps"],
         enable_fp_fusion=True)
     return names, builds
@@ -147,10 +146,8 @@ def test_triton_sm90_builds_one_wgmma_shape_and_no_fma():
     default = tk.DEFAULTS["mhc_pre"]
     usage = built[f"pre {default['BLOCK_M']}x{default['num_warps']}"]["usage"]
     assert usage and usage["STACK"] == 0 and usage["REG"] <= 255, usage
-    # the post's loads of y and the residual: the default's (``loads`` "normal") with no policy, evict-first otherwise
-    assert tk.DEFAULTS["mhc_post"]["loads"] == "normal"
-    loads = [[i for i in instructions(built[n]["ptx"]) if "ld.global" in i]
-             for n in ("post with evict-first loads", "post")]
+    # the post's loads of y and the residual with the evict-first policy, or (``loads`` "normal") with none
+    loads = [[i for i in instructions(built[n]["ptx"]) if "ld.global" in i] for n in ("post", "post with normal loads")]
     assert sum("evict_first" in i for i in loads[0]) >= 5, loads[0][:6]
     assert len(loads[1]) == len(loads[0]) and not any("evict" in i for i in loads[1]), loads[1][:6]
     for n in ("collapse norm=False", "collapse norm=True", "post", "finish kernel 16 partials",

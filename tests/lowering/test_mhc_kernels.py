@@ -41,12 +41,12 @@ def test_collapse_norm_and_post_against_float64():
 
 
 def test_post_load_policy_changes_no_value():
-    """The post's loads under the normal L2 policy (``loads`` "normal", the GPU default) give the bits of the
-    evict-first ones; an unknown policy is refused."""
+    """The post's loads under the normal L2 policy (``loads`` "normal", a probe's candidate) give the default's bits;
+    an unknown policy is refused."""
     t = make_inputs(33, 2 * D, seed=4)
     cfg = tk.default_config("mhc_post")
     args = (t["y"], t["h"], t["post"], t["comb"])
-    base = tk.mhc_post(*args, batch_invariant=False, config=dict(cfg, loads="evict_first"))
+    base = tk.mhc_post(*args, batch_invariant=False, config=cfg)
     assert_equal(tk.mhc_post(*args, batch_invariant=False, config=dict(cfg, loads="normal")), base, "post")
     with pytest.raises(ValueError, match="evict_first or normal"):
         tk.mhc_post(*args, batch_invariant=False, config=dict(cfg, loads="evict_last"))

@@ -128,7 +128,8 @@ def mhc_post(y, res, post, comb, *, batch_invariant: bool, config: dict | None =
     cfg = config or tactic("mhc_post", m, dict(d=d, n=n), default_config("mhc_post"), batch_invariant=batch_invariant)
     block_d = min(cfg["BLOCK_D"], triton.next_power_of_2(d))
     row_major = cfg.get("order", "row") == "row"
-    # the loads' L2 policy ("normal", the GPU default since run 236, or "evict_first", a config without the key)
+    # the loads' L2 policy ("evict_first", the default, or "normal": in a TileLang pipeline that reads the residual and
+    # writes, evict-first loads were 9-12% slower on an H100, run 230; this kernel not measured yet)
     loads = cfg.get("loads", "evict_first")
     if loads not in ("evict_first", "normal"):
         raise ValueError(f"mhc_post: loads {loads!r}: evict_first or normal")

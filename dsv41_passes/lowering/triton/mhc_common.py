@@ -33,9 +33,7 @@ _NP = tl.constexpr(NP)
 # alone likewise (run 58: 17.2 vs 36.0 us at M = 128, 0.080 vs 0.099 ms at 4096, 1.09 vs 1.14 at 65536);
 # up to SMALL_ROWS_MAX_M their untuned config keeps the last-arriver finish (11.8 vs 13.9 us at M = 1).
 DEFAULTS: dict[str, dict] = {
-    # loads "normal": y and the residual read under the normal L2 policy, not evict-first (probe_post.py, run 236,
-    # H100: 1.976 vs 2.019 ms at M = 65536, 0.497 vs 0.509 at 16384, the same bits; 100% of the copy roofline)
-    "mhc_post": dict(BLOCK_R=4, BLOCK_D=1024, num_warps=8, loads="normal"),
+    "mhc_post": dict(BLOCK_R=4, BLOCK_D=1024, num_warps=8),
     "mhc_collapse": dict(BLOCK_R=32, num_warps=4),
     "mhc_stats": dict(BLOCK_M=64, num_warps=4, num_stages=3, finish="kernel"),
     "mhc_pre": dict(BLOCK_M=64, num_warps=4, num_stages=3, finish="kernel"),
@@ -149,7 +147,7 @@ _POST_COLLAPSE = [dict(DEFAULTS["mhc_stats"], form="post_collapse", post_rows=r,
                   for r, c, w in ((1, 1024, 4), (2, 1024, 8), (4, 1024, 8), (4, 512, 4), (8, 512, 8))]
 CANDIDATES: dict[str, list[dict]] = {
     "mhc_post": [
-        dict(BLOCK_R=r, BLOCK_D=b, num_warps=w, loads="normal")
+        dict(BLOCK_R=r, BLOCK_D=b, num_warps=w)
         for r in (1, 2, 4)
         for b in (512, 1024, 2048)
         for w in (4, 8)
