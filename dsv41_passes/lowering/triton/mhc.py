@@ -128,8 +128,8 @@ def mhc_post(y, res, post, comb, *, batch_invariant: bool, config: dict | None =
     cfg = config or tactic("mhc_post", m, dict(d=d, n=n), default_config("mhc_post"), batch_invariant=batch_invariant)
     block_d = min(cfg["BLOCK_D"], triton.next_power_of_2(d))
     row_major = cfg.get("order", "row") == "row"
-    # the loads' L2 policy ("evict_first", the default, or "normal": in a TileLang pipeline that reads the residual and
-    # writes, evict-first loads were 9-12% slower on an H100, run 230; this kernel not measured yet)
+    # the loads' L2 policy ("evict_first", the default, or "normal"; the same bits. On an H100 "normal" was 2-3%
+    # faster in an interleaved probe, run 236, but 6.5% and 14% slower at M = 16384 in the bench, runs 237 and 239)
     loads = cfg.get("loads", "evict_first")
     if loads not in ("evict_first", "normal"):
         raise ValueError(f"mhc_post: loads {loads!r}: evict_first or normal")
