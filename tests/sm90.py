@@ -47,15 +47,17 @@ for b in spec["builds"]:
             f.flush()
             text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
         usage = {k: int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", text)}
-    out.append(dict(ptx=c.asm["ptx"], ttir=c.asm.get("ttir", ""), shared=c.metadata.shared, usage=usage))
+    out.append(dict(ptx=c.asm["ptx"], ttir=c.asm.get("ttir", ""), shared=c.metadata.shared, usage=usage,
+                    triton=triton.__version__))
 print(json.dumps(out))
 """
 
 
 def build_sm90(builds: list[dict]) -> list[dict]:
     """``builds``: dicts with module, kernel, types (arg -> ``*bf16``/``fp32``/...; others i32),
-    aligned (int args divisible by 16), constexprs, options. Returns ``[{ptx, ttir, shared, usage}]``, usage
-    the cubin's per-thread ``REG``/``STACK`` (spill) counts from Triton's bundled cuobjdump."""
+    aligned (int args divisible by 16), constexprs, options. Returns ``[{ptx, ttir, shared, usage, triton}]``,
+    usage the cubin's per-thread ``REG``/``STACK`` (spill) counts from Triton's bundled cuobjdump, triton the
+    version that built it."""
     stacks = [""] + ([str(GPU_TRITON)] if (GPU_TRITON / "triton").is_dir() else [])
     out = None
     for extra in stacks:  # this environment's Triton, then the GPU image's (whose output is returned)
