@@ -59,9 +59,9 @@ def build_sm90(builds: list[dict]) -> list[dict]:
     usage the cubin's per-thread ``REG``/``STACK`` (spill) counts from Triton's bundled cuobjdump, triton the
     version that built it."""
     stacks = [""] + ([str(GPU_TRITON)] if (GPU_TRITON / "triton").is_dir() else [])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = None
     for extra in stacks:  # this environment's Triton, then the GPU image's (whose output is returned)
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), extra, os.environ.get("PYTHONPATH", "")) if p)
         r = subprocess.run([sys.executable, "-c", textwrap.dedent(_SCRIPT)], input=json.dumps(dict(builds=builds)),
                            capture_output=True, text=True, env=env, timeout=900)
