@@ -281,8 +281,15 @@ CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1-ln"] = dict(
 CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1-ln-pe"] = dict(
     CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1-ln"], post_evict_first=True)
 # the new default without the x stores' evict-first hint (``x_hints``): with evict-first loads the hint made the kernel
-# 2.4% faster (run 229: 1.3625 against 1.3947 ms at M = 65536); with the normal policy on the loads not yet measured
+# 2.4% faster (run 229: 1.3625 against 1.3947 ms at M = 65536); with the normal policy (run 236, H100, the kernel alone,
+# medians, ms at 65536 / 16384 / 4096) 1.1883 / 0.3039 / 0.0824 against 1.1951 / 0.3058 / 0.0824: within the
+# probes' spread, not taken
 CONFIGS["wg1-split-v2-ml-pk-dd-hn3-re-ln"] = dict(CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re-ln"], x_hints=False)
+# a boundary candidate: the collapse held in registers (k = 1; the boundary's build spills with k = 2, and with the
+# CTA pairs' multicast at k = 1) instead of the normalizing warps, with the loads under the normal policy. Run 185
+# (H200) had the held boundary 5% slower with the evict-first loads of then, whose reason was the normalizing
+# warps' read-back of the un-normalized collapse from the L2; the normal policy may no longer keep it there.
+CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn2-re-ln"] = dict(CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re-ln"], held_norm=2)
 # Not kept (measured in runs 173-174 and 179-181, code not in the tree): the row's x loaded before its partials are
 # polled; the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role); the row
 # block's pre weights brought by TMA with its first stage; one stage-barrier arrival a warp instead of a thread;
@@ -294,7 +301,7 @@ CONFIGS["wg1-split-v2-ml-pk-dd-hn3-re-ln"] = dict(CONFIGS["wg1-split-v2-ml-pk-dd
 # Run 192 measured the fused finish's after its fix: the op 1.495 / 0.3831 / 0.0985 / 0.0528 ms against the default's
 # 1.508 / 0.3737 / 0.0973 / 0.0506 at M = 65536 / 16384 / 4096 / 2048 (-hn3-mc-ff: 1.549 / 0.3933 / 0.1028 / 0.0544),
 # the same bits: not kept.
-UNMEASURED: tuple[str, ...] = ("wg1-split-v2-ml-pk-dd-hn3-re-ln",)
+UNMEASURED: tuple[str, ...] = ()
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
 _ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-ml-pk-dd-xh-hn3-re-ln")
 if _ENV_CONFIG not in CONFIGS:
