@@ -288,7 +288,9 @@ CONFIGS["wg1-split-v2-ml-pk-dd-hn3-re-ln"] = dict(CONFIGS["wg1-split-v2-ml-pk-dd
 # a boundary candidate: the collapse held in registers (k = 1; the boundary's build spills with k = 2, and with the
 # CTA pairs' multicast at k = 1) instead of the normalizing warps, with the loads under the normal policy. Run 185
 # (H200) had the held boundary 5% slower with the evict-first loads of then, whose reason was the normalizing
-# warps' read-back of the un-normalized collapse from the L2; the normal policy may no longer keep it there.
+# warps' read-back of the un-normalized collapse from the L2; the normal policy may no longer keep it there. Run 242
+# (H100, probe_mhc_boundary.py --tilelang, us at 65536 / 16384 / 4096; the same bits, GPU tests passed): 2630 / 680.8
+# / 198.3 against the default's 2662 / 679.5 / 183.2. 1% faster at 65536, 8% slower at 4096: not kept.
 CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn2-re-ln"] = dict(CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re-ln"], held_norm=2)
 # Not kept (measured in runs 173-174 and 179-181, code not in the tree): the row's x loaded before its partials are
 # polled; the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role); the row
