@@ -1,7 +1,8 @@
 """The TileLang ``mhc_pre`` kernel (sm_90a): one persistent kernel, one read of the residual, the
 collapse + RMSNorm written to HBM once. It gives the Triton kernel's bits; the op runs it from
-``lowering.mhc.TILELANG_PRE_MIN_M`` tokens up (``mhc_pre.CONFIGS``, ``docs/performance.md``). Here: the options,
-the buffers and the roles' dispatch; the building blocks are ``mhc_pre_macros``, the consumer loops ``mhc_pre_roles``.
+``lowering.mhc.TILELANG_PRE_MIN_M`` tokens up (``mhc_pre.CONFIGS``, ``docs/performance.md``). Here: the options
+(checked in ``mhc_pre_options``), the buffers and the roles' dispatch; the building blocks are ``mhc_pre_macros``,
+the consumer loops ``mhc_pre_roles``.
 With ``boundary`` the kernel also computes the post before it (``mhc_pre.mhc_boundary``; ``post_tma_store``: the new
 residual leaves the stage by TMA).
 
@@ -63,6 +64,7 @@ from ..mhc_weights import NUM_SLICES, slice_geometry
 from .mhc_pre_cuda import LD4_RELAXED_SOURCE, PACKED_CVT_SOURCE, PREFETCH_SOURCE, X_HINTS_SOURCE
 from .mhc_pre_finish import FINISH_SOURCE, finish_loop
 from .mhc_pre_macros import kernel_macros
+from .mhc_pre_options import checked_options
 from .mhc_pre_roles import consumer_loops
 from .register_split import CONSUMER_REGS, PRODUCER_REGS, launch_regs, split_reason
 
@@ -199,73 +201,16 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     [M, 4]`` f32, ``w [d]`` f32 -> ``x [M, d]`` bf16 (normalized), ``ws [nrb*16*64, 24]``, ``ss``,
     ``xss [nrb*16*64]`` f32 (the Triton finish kernel's partial layout; ``xss`` filled with ``SENTINEL``
     before the launch: a slice's norm partial is published when it stops being the sentinel)."""
+    options = {k: v for k, v in locals().items() if k not in ("d", "groups", "eps")}  # (the arguments alone so far)
     import tilelang.language as T
 
     S = NUM_SLICES
     ds, bk = slice_geometry(d)
     nc = ds // bk  # chunks a slice
     k_total = HC * d
-    if rings not in (1, 2) or (rings == 2 and (not producer or wgs != 1)):
-        raise ValueError("TileLang mhc_pre: two stage rings need a producer warpgroup and one warpgroup a row block")
-    if split_roles and (not producer or wgs != 1 or rings != 1):
-        raise ValueError("TileLang mhc_pre: split roles need a producer warpgroup, one warpgroup a row block and "
-                         "one ring")
-    if vec_wgs not in (1, 2) or (vec_wgs == 2 and not split_roles):
-        raise ValueError("TileLang mhc_pre: two vector warpgroups need split roles")
-    if norm_wg and vec_wgs != 2:
-        raise ValueError("TileLang mhc_pre: the normalizing warps need two vector warpgroups")
-    if norm_warps not in (2, 3):
-        raise ValueError(f"TileLang mhc_pre: the norm runs on warps 2-3 or 1-3 of the producer, got {norm_warps} warps")
-    flags = set(diag.split(",")) - {""}
-    if flags - {"timers", "nonorm", "novec", "nodots", "noxstore", "nowstream", "nopostmath", "nopoll"}:
-        raise ValueError(f"TileLang mhc_pre: diag {diag!r}: not among timers, nonorm, novec, nodots, noxstore, "
-                         "nowstream, nopostmath, nopoll")
-    if dots_defer and not split_roles:
-        raise ValueError("TileLang mhc_pre: dots_defer needs split roles")
-    if dots_release_early and not dots_defer:
-        raise ValueError("TileLang mhc_pre: dots_release_early is an option of dots_defer")
-    # the post's options: a boundary config built as an mhc_pre (no post) leaves them out
-    post_prefetch = int(post_prefetch) if boundary else 0
-    post_store_late = bool(post_store_late) and boundary
-    post_evict_first = bool(post_evict_first) and boundary
-    if post_evict_first and (post_tma_store or not x_hints):
-        raise ValueError("TileLang mhc_pre: post_evict_first is for the boundary with x_hints, without post_tma_store")
-    if post_prefetch and (held_norm or not 1 <= post_prefetch <= nc):
-        raise ValueError(f"TileLang mhc_pre: post_prefetch {post_prefetch} is for the boundary with the normalizing "
-                         f"warps, 1 to {nc} steps ahead")
-    if post_store_late and (held_norm or post_tma_store):
-        raise ValueError("TileLang mhc_pre: post_store_late is for the boundary with the normalizing warps, without "
-                         "post_tma_store")
-    if "nopostmath" in flags and not (boundary and packed_cvt):
-        raise ValueError("TileLang mhc_pre: diag nopostmath is for the boundary with packed_cvt")
-    # (ignored with post_tma_store, whose stage goes back once its stores have read it, and with held_norm, which
-    # releases after its loads without the boundary)
-    vec_release_early = bool(vec_release_early) and norm_wg and not post_tma_store
-    if post_tma_store and not boundary:
-        raise ValueError("TileLang mhc_pre: post_tma_store is for the boundary")
-    if boundary and not ((norm_wg or held_norm) and mid_resident) or boundary and "novec" in diag:
-        raise ValueError("TileLang mhc_pre: the boundary (post fused) needs the normalizing warps (or held_norm), the "
-                         "mid part resident and the vector role")
-    if ml48 and not (split_roles and mid_resident):
-        raise ValueError("TileLang mhc_pre: ml48 needs split roles and the mid part resident")
-    if ml_stream and not ml48:
-        raise ValueError("TileLang mhc_pre: ml_stream streams ml48's [mid; lo] part: it needs ml48")
-    if held_norm and not (split_roles and vec_wgs == 2 and packed_cvt and not norm_wg
-                          and 1 <= held_norm <= d // NUM_SLICES // 32):
-        raise ValueError("TileLang mhc_pre: held_norm (1 to the chunks a slice) needs split roles, two vector "
-                         "warpgroups and packed_cvt, without the normalizing warps")
-    if held_prepoll and held_norm < 2:
-        raise ValueError("TileLang mhc_pre: held_prepoll polls a step before the rsqrt's: held_norm >= 2")
-    hi_multicast = int(hi_multicast)
-    if hi_multicast and not (hi_multicast in (2, 4) and (held_norm or norm_wg) and ml48 and dots_defer
-                             and groups % hi_multicast == 0):
-        raise ValueError(f"TileLang mhc_pre: hi_multicast {hi_multicast} (2 or 4 CTAs) needs held_norm or the "
-                         f"normalizing warps, ml48 and dots_defer, and groups a multiple of it (got {groups})")
-    if fused_finish and not (held_norm and not boundary and finish_consts is not None):
-        raise ValueError("TileLang mhc_pre: fused_finish needs held_norm (the producer warps it frees), no boundary, "
-                         "and finish_consts (iterations, hc_eps, norm_eps)")
-    if (norm_w_smem or norm_prepoll) and not norm_wg:
-        raise ValueError("TileLang mhc_pre: norm_w_smem and norm_prepoll are for the normalizing warps (norm_wg)")
+    o = checked_options(d, groups, options)
+    flags, post_prefetch, post_store_late, post_evict_first, vec_release_early, hi_multicast = (
+        o.flags, o.post_prefetch, o.post_store_late, o.post_evict_first, o.vec_release_early, o.hi_multicast)
     nt = 32 * norm_warps  # the normalizing threads (``norm_wg``): the producer warpgroup's last ones
     nring = lag + 1  # row blocks the vector role may run ahead of the normalizing warps (``norm_wg``)
     consumers = 128 * wgs * rings * (1 + vec_wgs if split_roles else 1)
