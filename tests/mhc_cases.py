@@ -30,7 +30,7 @@ PRE_CONFIG_NAMES = ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-produce
                     "wg1-split-v2-ml-pk-dd-xh-hn3-mc-ff", "wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc",
                     "wg1-split-v2-ml-pk-dd-xh-hn3-re", "wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re",
                     "wg1-split-v2-ml-pk-dd-xh-hn3-re-mc", "wg1-split-v2-ml-pk-dd-xh-hn3-re-ln",
-                    "wg1-split-v2-ml-pk-dd-hn3-re-ln",
+                    "wg1-split-v2-ml-pk-dd-hn3-re-ln", "wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc",
                     "wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve", "wg1-split-v2-ml-pk-dd-xh-hn3-re-ms5",
                     "wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ms5", "wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1",
                     "wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1-ln",
