@@ -366,6 +366,19 @@ def resident_why(dev: torch.device, cfg: dict) -> str | None:
     return None
 
 
+def pre_config(dev: torch.device) -> dict:
+    """The TileLang mhc_pre's config on ``dev``: ``DEFAULT_CONFIG``, or the same without its CTA clusters
+    (``hi_multicast``) where they would leave a group of 16 SMs idle (an odd number of groups: 16-31 SMs, or 114 on an
+    H100 PCIe) or could not all be resident."""
+    from .tilelang import mhc_pre as tlp
+
+    cfg, sms = tlp.DEFAULT_CONFIG, _sm_count(dev)
+    mc = cfg.get("hi_multicast", 0)
+    if mc and sms is not None and tlp.groups_for(sms) % mc:
+        return {k: v for k, v in cfg.items() if k != "hi_multicast"}
+    return cfg
+
+
 def _tilelang_pre_ok(h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, *, batch_invariant):
     from .registry import Defer, m_below, tilelang_available
 
@@ -384,7 +397,7 @@ def _tilelang_pre_ok(h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_e
         return f"pre_prev dtype {pre_prev.dtype}"
     from .tilelang import mhc_pre as tlp
 
-    return tlp.unsupported(h) or resident_why(h.device, tlp.DEFAULT_CONFIG)
+    return tlp.unsupported(h) or resident_why(h.device, pre_config(h.device))
 
 
 @register_provider("mhc_pre", "tilelang", _tilelang_pre_ok, wants_mode=True)
@@ -394,7 +407,8 @@ def _tilelang_pre(h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps,
     from .tilelang import mhc_pre as tlp
 
     sliced = bf16x3_slice_parts(fn, h.shape[2], static=static_weights(mode))
-    return tlp.mhc_pre(h, pre_prev, sliced, scale, base, weight, iters, hc_eps, norm_eps, eps)
+    return tlp.mhc_pre(h, pre_prev, sliced, scale, base, weight, iters, hc_eps, norm_eps, eps,
+                       config=pre_config(h.device))
 
 
 # The boundary at prefill sizes as the Triton post, then the TileLang mhc_pre on the new residual: it reads the

@@ -465,7 +465,8 @@ def test_diag_timers_build(name, tmp_path, monkeypatch):
     cfg = tlp.DEFAULT_CONFIG if name is None else tlp.CONFIGS[name]
     src = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, **dict(cfg, diag="timers")), True)
     src = src.get_kernel_source()
-    writes = re.findall(r"xss\[\(+\(\(int\)blockIdx.x\) \* 64\) \+ k_\d+\)(?: \+ (\d+))?\)?\] = \(\(float\)tm\[", src)
+    # (a CTA's row of 64: blockIdx.x * 64, or with CTA clusters (hi_multicast) its group, rank and slice's)
+    writes = re.findall(r"xss\[\(+\(\(int\)blockIdx.x\)[^=]* \+ k_\d+\)(?: \+ (\d+))?\)?\] = \(\(float\)tm\[", src)
     roles = [0, 3, 6, 9] if cfg.get("norm_wg") else [0, 6, 9]  # (held_norm: no normalizing warps)
     assert sorted(int(w or 0) for w in writes) == roles and src.count("clock64()") >= 4 * len(roles)  # a role's rows
     plain = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, **cfg), True).get_kernel_source()
@@ -490,11 +491,12 @@ def test_diag_cuts_build_for_held_norm(tmp_path, monkeypatch):
         dots, vector = src.get_kernel_source().split("if (256 <= ((int)threadIdx.x)) {")
         seen[diag] = (vector.count("dsv41_st16_evict_first("), vector.count("dsv41_norm_bf16x8("),
                       vector.count("empty["), poll in vector, "continue;" in dots[dots.rindex("for (int j = 0;"):])
-    assert seen[""] == (3, 3, 1, True, False)  # (the stores of chunks 0-2 at step 2, then one a step)
-    assert seen["noxstore"] == (0, 3, 1, True, False)
-    assert seen["novec"] == (0, 0, 1, True, False)
-    assert seen["nodots"] == (3, 3, 1, True, True)
-    assert seen["nopoll"] == (3, 3, 1, False, False)
+    e = 1 + bool(tlp.DEFAULT_CONFIG.get("hi_multicast"))  # (CTA pairs: its release of the stage in both CTAs)
+    assert seen[""] == (3, 3, e, True, False)  # (the stores of chunks 0-2 at step 2, then one a step)
+    assert seen["noxstore"] == (0, 3, e, True, False)
+    assert seen["novec"] == (0, 0, e, True, False)
+    assert seen["nodots"] == (3, 3, e, True, True)
+    assert seen["nopoll"] == (3, 3, e, False, False)
 
 
 def test_diag_nodots_keeps_the_fused_finish_count(tmp_path, monkeypatch):

@@ -361,7 +361,7 @@ def test_default_config_from_the_environment():
 
     code = ("from dsv41_passes.lowering.tilelang import mhc_pre as t; "
             "print(t.DEFAULT_CONFIG == t.CONFIGS['wg1-split'], "
-            "t.DEFAULT_CONFIG is t.CONFIGS['wg1-split-v2-ml-pk-dd-xh-hn3-re-ln'])")
+            "t.DEFAULT_CONFIG is t.CONFIGS['wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc'])")
     root = str(Path(__file__).resolve().parents[2])
 
     def run(value):
@@ -525,7 +525,8 @@ def test_fused_boundary_switch(monkeypatch):
 def test_persistent_kernels_need_their_ctas_resident(monkeypatch):
     """The persistent kernel's CTAs wait on one another, 16 a group, and the fused boundary's config clusters group
     pairs (hi_multicast 2): on 16 SMs (an H100 MIG 1g slice) the TileLang boundary ran that kernel, which raised ("got 0
-    groups"); there the Triton post then the TileLang mhc_pre run, and below 16 SMs the TileLang mhc_pre declines."""
+    groups"); there the Triton post then the TileLang mhc_pre run, and below 16 SMs the TileLang mhc_pre declines.
+    The mhc_pre's default clusters pairs too: where the groups do not pair up it runs without the clusters."""
     import types
 
     from dsv41_passes.lowering import mhc as ops
@@ -553,6 +554,17 @@ def test_persistent_kernels_need_their_ctas_resident(monkeypatch):
     assert calls == ["post", "pre"]
     pre_args = (args[1], *args[4:])
     assert ops._tilelang_pre_ok(*pre_args, batch_invariant=False) is None
+    # the mhc_pre's CTA pairs (hi_multicast 2) only where the 16-SM groups pair up: not on 16-31 SMs or 114 (7 groups)
+    assert tlp.DEFAULT_CONFIG.get("hi_multicast") == 2
+    for sms[0], paired in ((16, False), (31, False), (32, True), (114, False), (132, True)):
+        cfg = ops.pre_config(torch.device("cuda"))
+        assert (cfg is tlp.DEFAULT_CONFIG) == paired and cfg.get("hi_multicast", 0) == (2 if paired else 0)
+        assert {k: v for k, v in cfg.items() if k != "hi_multicast"} == {
+            k: v for k, v in tlp.DEFAULT_CONFIG.items() if k != "hi_multicast"}
+    sms[0] = 16
+    monkeypatch.setattr(tlp, "mhc_pre", lambda *a, **k: calls.append(k["config"].get("hi_multicast", 0)) or "x")
+    calls.clear()
+    assert ops._tilelang_pre(*pre_args, batch_invariant=False, mode=mode) == "x" and calls == [0]
     sms[0] = 15
     assert "15 SMs" in ops._tilelang_pre_ok(*pre_args, batch_invariant=False)
     from dsv41_passes.reference import DeepseekV41Config

@@ -286,8 +286,12 @@ CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1-ln-pe"] = dict(
 # probes' spread, not taken
 CONFIGS["wg1-split-v2-ml-pk-dd-hn3-re-ln"] = dict(CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re-ln"], x_hints=False)
 # the default with the weight stream multicast to CTA pairs (``-mc``, within noise on the H100 with evict-first loads,
-# runs 189 and 225): meant for the H200, whose L2 paced the kernel more (run 186), and not run there since the loads
-# went to the normal policy; on the H100 the default's dots now cost 0.036 ms over the pipeline (run 240)
+# runs 189 and 225), meant for the H200, whose L2 paced the kernel more (run 186). Runs 244-245 (H100, in turn with
+# -ln, the same bits; its GPU tests at M = 1, 4096, 4097, 65536 passed), medians, ms at M = 65536 / 16384 / 4096: the
+# kernel alone 1.2093 / 0.3114 / 0.0852 against 1.2196 / 0.3176 / 0.0856 and 1.2085 / 0.3110 / 0.0853 against
+# 1.2205 / 0.3161 / 0.0857; the op 1.2575 / 0.3270 / 0.0948 against 1.2743 / 0.3308 / 0.0951, 1.2620 / 0.3268 / 0.0949
+# against 1.2765 / 0.3312 / 0.0950, 1.2584 / 0.3274 / 0.0948 against 1.2757 / 0.3328 / 0.0958 (at 2048 once 0.0567
+# against 0.0563). 1.0-1.7% faster at 65536 and 16384 in every pair: the default since run 245 (the H200 not measured)
 CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc"] = dict(CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re-ln"], hi_multicast=2)
 # a boundary candidate: the collapse held in registers (k = 1; the boundary's build spills with k = 2, and with the
 # CTA pairs' multicast at k = 1) instead of the normalizing warps, with the loads under the normal policy. Run 185
@@ -307,9 +311,9 @@ CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn2-re-ln"] = dict(CONFIGS["wg1-split-v2-ml-pk
 # Run 192 measured the fused finish's after its fix: the op 1.495 / 0.3831 / 0.0985 / 0.0528 ms against the default's
 # 1.508 / 0.3737 / 0.0973 / 0.0506 at M = 65536 / 16384 / 4096 / 2048 (-hn3-mc-ff: 1.549 / 0.3933 / 0.1028 / 0.0544),
 # the same bits: not kept.
-UNMEASURED: tuple[str, ...] = ("wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc",)
+UNMEASURED: tuple[str, ...] = ()
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
-_ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-ml-pk-dd-xh-hn3-re-ln")
+_ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc")
 if _ENV_CONFIG not in CONFIGS:
     raise ValueError(f"DSV41_MHC_PRE_TILELANG_CONFIG={_ENV_CONFIG!r}: not one of {sorted(CONFIGS)}")
 DEFAULT_CONFIG = CONFIGS[_ENV_CONFIG]
