@@ -366,17 +366,22 @@ def resident_why(dev: torch.device, cfg: dict) -> str | None:
     return None
 
 
-def pre_config(dev: torch.device) -> dict:
-    """The TileLang mhc_pre's config on ``dev``: ``DEFAULT_CONFIG``, or the same without its CTA clusters
-    (``hi_multicast``) where they would leave a group of 16 SMs idle (an odd number of groups: 16-31 SMs, or 114 on an
-    H100 PCIe) or could not all be resident."""
+def _pairs_fit(cfg: dict, dev: torch.device) -> dict:
+    """``cfg``, or the same without its CTA clusters (``hi_multicast``) where the 16-SM groups of ``dev`` do not pair
+    up (16-31 SMs, or 114 on an H100 PCIe: 7 groups): there the clusters would leave a group idle or not be resident."""
     from .tilelang import mhc_pre as tlp
 
-    cfg, sms = tlp.DEFAULT_CONFIG, _sm_count(dev)
-    mc = cfg.get("hi_multicast", 0)
+    mc, sms = cfg.get("hi_multicast", 0), _sm_count(dev)
     if mc and sms is not None and tlp.groups_for(sms) % mc:
         return {k: v for k, v in cfg.items() if k != "hi_multicast"}
     return cfg
+
+
+def pre_config(dev: torch.device) -> dict:
+    """The TileLang mhc_pre's config on ``dev``: ``DEFAULT_CONFIG``, without its CTA clusters where they do not fit."""
+    from .tilelang import mhc_pre as tlp
+
+    return _pairs_fit(tlp.DEFAULT_CONFIG, dev)
 
 
 def _tilelang_pre_ok(h, pre_prev, fn, scale, base, weight, iters, hc_eps, norm_eps, eps, *, batch_invariant):
@@ -455,11 +460,12 @@ FUSED_BOUNDARY_MAX_M: int | None = _env_tokens("DSV41_MHC_BOUNDARY_FUSED_MAX_M",
                                                "none: no bound; DSV41_MHC_BOUNDARY_FUSED=off turns it off")
 
 
-def fused_boundary_config() -> dict | None:
-    """The fused boundary kernel's build options (``BOUNDARY_CONFIG`` and ``FUSED_BOUNDARY``'s), None when off."""
+def fused_boundary_config(dev: torch.device) -> dict | None:
+    """The fused boundary kernel's build options on ``dev`` (``BOUNDARY_CONFIG`` and ``FUSED_BOUNDARY``'s, without
+    the CTA clusters where they do not fit), None when off."""
     from .tilelang import mhc_pre as tlp
 
-    return None if FUSED_BOUNDARY is None else dict(tlp.BOUNDARY_CONFIG, **FUSED_BOUNDARY)
+    return None if FUSED_BOUNDARY is None else _pairs_fit(dict(tlp.BOUNDARY_CONFIG, **FUSED_BOUNDARY), dev)
 
 
 def fused_boundary_at(m: int) -> bool:
@@ -472,9 +478,8 @@ def _tilelang_boundary(y, res, post, comb, pre_prev, fn, scale, base, weight, it
                        batch_invariant, mode):
     from .triton import mhc as tk
 
-    # (its config clusters CTA pairs: on fewer SMs than that needs, the post then the TileLang mhc_pre)
     fused = fused_boundary_at(res.shape[0]) and y.is_contiguous()
-    if fused and resident_why(res.device, config := fused_boundary_config()) is None:
+    if fused and resident_why(res.device, config := fused_boundary_config(res.device)) is None:
         from .mhc_weights import bf16x3_slice_parts
         from .registry import static_weights
         from .tilelang import mhc_pre as tlp

@@ -93,7 +93,7 @@ def tunables(config, device=None) -> list:
 
             cfg = ops.pre_config(dev)
             out.append(Tunable("mhc_pre.tilelang", key, tl_pre_inputs, run_tl_pre, [cfg], cfg, lambda m: cfg))
-            bcfg = ops.fused_boundary_config()
+            bcfg = ops.fused_boundary_config(dev)
             # the boundary's own build (the post inside the kernel), where the op runs it
             if ops.fused_boundary_at(ops.TILELANG_PRE_MIN_M) and ops.resident_why(dev, bcfg) is None:
                 def tl_boundary_inputs(m, dev):

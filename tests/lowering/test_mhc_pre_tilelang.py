@@ -523,10 +523,10 @@ def test_fused_boundary_switch(monkeypatch):
 
 
 def test_persistent_kernels_need_their_ctas_resident(monkeypatch):
-    """The persistent kernel's CTAs wait on one another, 16 a group, and the fused boundary's config clusters group
-    pairs (hi_multicast 2): on 16 SMs (an H100 MIG 1g slice) the TileLang boundary ran that kernel, which raised ("got 0
-    groups"); there the Triton post then the TileLang mhc_pre run, and below 16 SMs the TileLang mhc_pre declines.
-    The mhc_pre's default clusters pairs too: where the groups do not pair up it runs without the clusters."""
+    """The persistent kernel's CTAs wait on one another, 16 a group, and both configs cluster group pairs
+    (hi_multicast 2): on 16 SMs (an H100 MIG 1g slice) the TileLang boundary once ran that kernel, which raised ("got 0
+    groups"). Where the groups do not pair up each runs its config without the clusters; below 16 SMs the TileLang
+    mhc_pre declines."""
     import types
 
     from dsv41_passes.lowering import mhc as ops
@@ -550,21 +550,32 @@ def test_persistent_kernels_need_their_ctas_resident(monkeypatch):
             torch.rand(m, 4, 4), torch.rand(m, 4), torch.randn(24, 4 * d, generator=g), torch.ones(3), torch.zeros(24),
             torch.ones(d), ITERS, HC_EPS, NORM_EPS, EPS]
     mode = registry.encode_mode(False)
-    assert ops._tilelang_boundary(*args, batch_invariant=False, mode=mode)[1:] == ("x", "pre", "post", "comb")
-    assert calls == ["post", "pre"]
+    monkeypatch.setattr(tlp, "mhc_boundary", lambda *a, config: calls.append(("fused", config)) or ("fused",))
     pre_args = (args[1], *args[4:])
     assert ops._tilelang_pre_ok(*pre_args, batch_invariant=False) is None
-    # the mhc_pre's CTA pairs (hi_multicast 2) only where the 16-SM groups pair up: not on 16-31 SMs or 114 (7 groups)
-    assert tlp.DEFAULT_CONFIG.get("hi_multicast") == 2
+    # both configs cluster CTA pairs (hi_multicast 2), only where the 16-SM groups pair up: not on 16-31 SMs or 114
+    # (7 groups), where the same config without the clusters runs
+    assert tlp.DEFAULT_CONFIG.get("hi_multicast") == 2 and tlp.BOUNDARY_CONFIG.get("hi_multicast") == 2
+    dev = torch.device("cuda")
     for sms[0], paired in ((16, False), (31, False), (32, True), (114, False), (132, True)):
-        cfg = ops.pre_config(torch.device("cuda"))
-        assert (cfg is tlp.DEFAULT_CONFIG) == paired and cfg.get("hi_multicast", 0) == (2 if paired else 0)
-        assert {k: v for k, v in cfg.items() if k != "hi_multicast"} == {
-            k: v for k, v in tlp.DEFAULT_CONFIG.items() if k != "hi_multicast"}
+        for cfg, full in ((ops.pre_config(dev), tlp.DEFAULT_CONFIG), (ops.fused_boundary_config(dev),
+                                                                        tlp.BOUNDARY_CONFIG)):
+            assert cfg.get("hi_multicast", 0) == (2 if paired else 0) and ops.resident_why(dev, cfg) is None
+            assert {k: v for k, v in cfg.items() if k != "hi_multicast"} == {
+                k: v for k, v in full.items() if k != "hi_multicast"}
+        assert ops.pre_config(dev) is tlp.DEFAULT_CONFIG or not paired
+        calls.clear()  # the fused boundary runs there, with the config of this device
+        assert ops._tilelang_boundary(*args, batch_invariant=False, mode=mode) == ("fused",)
+        assert calls == [("fused", ops.fused_boundary_config(dev))]
     sms[0] = 16
     monkeypatch.setattr(tlp, "mhc_pre", lambda *a, **k: calls.append(k["config"].get("hi_multicast", 0)) or "x")
     calls.clear()
     assert ops._tilelang_pre(*pre_args, batch_invariant=False, mode=mode) == "x" and calls == [0]
+    # where y is strided, the post then the mhc_pre
+    calls.clear()
+    strided = torch.randn(m, 2 * d, generator=g).bfloat16()[:, :d]
+    assert ops._tilelang_boundary(strided, *args[1:], batch_invariant=False, mode=mode)[1:] == ("x",)
+    assert calls == ["post", 0]
     sms[0] = 15
     assert "15 SMs" in ops._tilelang_pre_ok(*pre_args, batch_invariant=False)
     from dsv41_passes.reference import DeepseekV41Config
@@ -573,10 +584,8 @@ def test_persistent_kernels_need_their_ctas_resident(monkeypatch):
     for sms[0] in (15, 16, 32):
         listed[sms[0]] = {t.op for t in ops.tunables(DeepseekV41Config.flash(), "cpu")} & {
             "mhc_pre.tilelang", "mhc_boundary.tilelang"}
-    assert listed == {15: set(), 16: {"mhc_pre.tilelang"}, 32: {"mhc_pre.tilelang", "mhc_boundary.tilelang"}}
-    calls.clear()
-    monkeypatch.setattr(tlp, "mhc_boundary", lambda *a, config: calls.append("fused") or ("fused",))
-    assert ops._tilelang_boundary(*args, batch_invariant=False, mode=mode) == ("fused",) and calls == ["fused"]
+    both = {"mhc_pre.tilelang", "mhc_boundary.tilelang"}
+    assert listed == {15: set(), 16: both, 32: both}
 
 
 def test_ml48_resident_tile_follows_the_parts():
