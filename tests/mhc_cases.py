@@ -3,6 +3,8 @@ float64 oracles, the bf16-ulp and bitwise assertions, and runners of the Triton 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from dsv41_passes.lowering.mhc_weights import build_parts
@@ -35,6 +37,20 @@ PRE_CONFIG_NAMES = ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-produce
                     "wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ms5", "wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1",
                     "wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1-ln",
                     "wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1-ln-pe"]
+# the configs whose sm_90a build CI checks (``test_mhc_pre_builds.py``, about 13 s each on a CI core): the defaults
+# (the mhc_pre's with and without its CTA pairs, the fused boundary's), each structural step (one or two warpgroups,
+# a producer, two rings, split roles with one vector warpgroup, two normalizing warps) and configs that together take
+# every build option of PRE_CONFIG_NAMES at each of its values (``test_build_configs_take_every_option``);
+# DSV41_TEST_ALL_BUILDS=1 builds every one of PRE_CONFIG_NAMES
+BUILD_CONFIG_NAMES = PRE_CONFIG_NAMES if os.environ.get("DSV41_TEST_ALL_BUILDS") else [
+    "wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc", "wg1-split-v2-ml-pk-dd-xh-hn3-re-ln",
+    "wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1-ln", "wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1-ln-pe",
+    "wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-producer", "wg1-split", "wg1-split-v2-xhints",
+    "wg1-split-v2-normwg", "wg1-split-v2-normwg3-ws-pp", "wg1-split-v2-normwg3-ws-xr",
+    "wg1-split-v2-ml-pk-dd-xh-hn1", "wg1-split-v2-ml-pk-dd-xh-hn2", "wg1-split-v2-ml-pk-dd-xh-hn4",
+    "wg1-split-v2-ml-pk-dd-xh-hn5", "wg1-split-v2-ml-pk-dd-xh-hn6", "wg1-split-v2-ml-pk-dd-xh-hn3-pp",
+    "wg1-split-v2-ml-pk-dd-xh-hn3-mc4", "wg1-split-v2-ml-pk-dd-xh-hn3-ff", "wg1-split-v2-ml-pk-dd-xh-hn3-mc-ff",
+    "wg1-split-v2-ml-pk-dd-hn3-re-ln", "wg1-split-v2-ml-pk-dd-xh-hn3-re-ms5"]
 # the fused boundary's build options its build and GPU tests take on its config (BOUNDARY_CONFIG: it has hi_multicast
 # 2, dots_defer, packed_cvt, ml48, vec_release_early, lag 1 and its loads under the normal L2 policy; lag 2, the
 # config of runs 207-217; the evict-first loads of runs 191-230; the multicast off,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mhc_cases import BOUNDARY_OPTS, PRE_CONFIG_NAMES, opts_id
+from mhc_cases import BOUNDARY_OPTS, BUILD_CONFIG_NAMES, PRE_CONFIG_NAMES, opts_id
 
 FLASH_D = 5120
 ITERS, HC_EPS, NORM_EPS, EPS = 20, 1e-6, 1e-6, 1e-6
@@ -23,7 +23,22 @@ def _stage_of(step: str, stages: int) -> str:
     return f"({step} & {stages - 1})" if stages & (stages - 1) == 0 else f"({step} % {stages})"
 
 
-@pytest.mark.parametrize("name", PRE_CONFIG_NAMES)
+def test_build_configs_take_every_option():
+    """The configs CI builds (``BUILD_CONFIG_NAMES``) are configs, the defaults among them, and every build option a
+    config of PRE_CONFIG_NAMES sets, at each value it takes there, is set so by one of them."""
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+
+    assert set(BUILD_CONFIG_NAMES) <= set(PRE_CONFIG_NAMES) <= set(tlp.CONFIGS)
+    built = [tlp.CONFIGS[n] for n in BUILD_CONFIG_NAMES]
+    assert tlp.DEFAULT_CONFIG in built and tlp.BOUNDARY_CONFIG in built
+    assert {k: v for k, v in tlp.DEFAULT_CONFIG.items() if k != "hi_multicast"} in built  # (where pairs do not fit)
+    taken = {(k, repr(v)) for c in built for k, v in c.items()}
+    missing = {(n, k, repr(v)) for n in PRE_CONFIG_NAMES for k, v in tlp.CONFIGS[n].items()
+               if (k, repr(v)) not in taken}
+    assert not missing, sorted(missing)
+
+
+@pytest.mark.parametrize("name", BUILD_CONFIG_NAMES)
 def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     """The sm_90a build: one wgmma shape (m64n24k16, the 24 mix columns unpadded), rounding spelled out
     (no contraction: nvcc --fmad=false and explicit __f*_rn), the residual loads by TMA with the
