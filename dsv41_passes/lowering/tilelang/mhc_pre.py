@@ -271,7 +271,7 @@ CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ms5"] = dict(CONFIGS["wg1-spl
 # Run 231 (H100; the same bits as the Triton kernel and boundary, GPU tests at M = 1, 4096, 4097, 65536): the kernel
 # alone 1.2005 / 0.3059 / 0.0838 ms against 1.3704 / 0.3475 / 0.0871 at 65536 / 16384 / 4096; the fused boundary
 # (probe_mhc_boundary, us) 675.5 / 183.1 against 817.3 / 218.7 at 16384 / 4096 and 2665.6 at 65536. Both the
-# defaults since (``DEFAULT_CONFIG``, ``BOUNDARY_CONFIG``)
+# defaults since (``BOUNDARY_CONFIG``; ``DEFAULT_CONFIG`` until run 245, and where its CTA pairs do not fit)
 CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re-ln"] = dict(CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re"],
                                                      loads_evict_first=False)
 CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1-ln"] = dict(
