@@ -79,8 +79,9 @@ def tunables(config, device=None) -> list:
         from .mhc_weights import slice_major
         from .tilelang import mhc_pre as tlp
 
+        cfg = ops.pre_config(dev)
         if (tlp.unsupported(torch.empty(1, n, d, dtype=torch.bfloat16, device=dev)) is None
-                and ops.resident_why(dev, ops.pre_config(dev)) is None):
+                and ops.resident_why(dev, cfg) is None):
             def tl_pre_inputs(m, dev):
                 if m < ops.TILELANG_PRE_MIN_M:
                     return None  # the op runs the Triton kernel at this M: nothing to build
@@ -91,7 +92,6 @@ def tunables(config, device=None) -> list:
             def run_tl_pre(inputs, cfg):
                 return None if inputs is None else tlp.mhc_pre(*inputs, config=cfg)
 
-            cfg = ops.pre_config(dev)
             out.append(Tunable("mhc_pre.tilelang", key, tl_pre_inputs, run_tl_pre, [cfg], cfg, lambda m: cfg))
             bcfg = ops.fused_boundary_config(dev)
             # the boundary's own build (the post inside the kernel), where the op runs it
