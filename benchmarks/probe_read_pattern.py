@@ -10,7 +10,7 @@ but a slice is every 16th 32-column chunk of each stream, so the 16 CTAs of a gr
 and stream at each step; ``rows``: each CTA walks whole rows of its own row blocks. Prints GB/s (the bytes of h over
 the median CUDA-graph replay) beside a measured copy bandwidth.
 
-    source .devsite/setup.sh && python3 benchmarks/probe_read_pattern.py [--m 65536] [--stages 4]
+    source .devsite/setup.sh && python3 benchmarks/probe_read_pattern.py [--m 65536] [--stages 4] [--orders slices]
 """
 
 
@@ -127,6 +127,8 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=5120)
     ap.add_argument("--stages", type=int, nargs="+", default=[4])
     ap.add_argument("--stores", action="store_true", help="the mhc_pre's order, its stores and load policy varied")
+    ap.add_argument("--orders", nargs="+", default=None,
+                    help="only the ORDERS whose names start with one of these (e.g. 'slices, 64 x 32')")
     a = ap.parse_args()
     sys.path.insert(0, ".")
     from benchmarks.common import measure_copy_bandwidth, time_interleaved, versions
@@ -144,9 +146,13 @@ def main() -> None:
             cases += [(f"{n}, {st} stages", "slices", 64, 32, st, *v) for n, v in STORES.items()]
         else:
             for name, (order, rows, box) in ORDERS.items():
+                if a.orders and not any(name.startswith(o) for o in a.orders):
+                    continue
                 for write in (False, True):
                     cases.append((f"{name}, {st} stages, {'read + write x' if write else 'read'}", order, rows, box,
                                   st, write, "st", None))
+    if not cases:
+        ap.error(f"no order starts with any of {a.orders}: {list(ORDERS)}")
     fns, nbytes = {}, {}
     for name, order, rows, box, st, write, store, policy in cases:
         if st * HC * rows * box * 2 > 200 * 1024:  # the stages' shared memory
