@@ -13,7 +13,9 @@
 # mhc_boundary_timers has the fused boundary's roles count their waits (clock64 timers: where its time goes; without
 # the vector role's early release, with five stages, without the post's arithmetic, without the norm); mhc_boundary_ncu samples its warps'
 # states by SASS instruction (Nsight Compute); mhc_stats_kernel tests and times the TileLang mhc_pre's stats kernel (one
-# row a thread) against the finish kernel's stats programs it replaced.
+# row a thread) against the finish kernel's stats programs it replaced; read_pattern reads the residual as the mhc_pre
+# does with a plain pipeline of 2, 4 and 6 stages; mhc_pre_previous times the mhc_pre default beside the one before.
+# On a fresh H200, one call: MHC_LIMIT=250 bash benchmarks/run_gpu.sh env mhc read_pattern mhc_pre_previous
 # Each stage runs in its own process with a time limit and the run goes on when one fails; logs and JSON land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/dsv41-out}
@@ -116,6 +118,13 @@ for s in $stages; do
         -p no:cacheprovider -rfE -k stats_kernel
       run mhc_stats_kernel ${STATS_LIMIT:-120} python3 benchmarks/probe_mhc_finish.py --stats-kernel \
         ${STATS_MS:-1536 4096 16384 65536} ;;
+    read_pattern)  # a plain TMA pipeline in the mhc_pre's read order, with and without x's writes, at 2 / 4 / 6
+      # stages of 16 KiB: does the card reach its copy bandwidth with the kernel's 4 stages (runs 226-227: the H100 does)
+      run read_pattern ${READ_LIMIT:-110} python3 benchmarks/probe_read_pattern.py --orders "slices, 64 x 32" \
+        --stages ${READ_STAGES:-2 4 6} ;;
+    mhc_pre_previous)  # the mhc_pre default beside the one of runs 231-244 (no CTA pairs), the op, in turn
+      run mhc_pre_previous ${PREVIOUS_LIMIT:-140} python3 benchmarks/probe_mhc_pre_diag.py \
+        ${PREVIOUS_MS:-65536,16384,4096} --op wg1-split-v2-ml-pk-dd-xh-hn3-re-ln ;;
     run_all) run run_all ${RUN_ALL_LIMIT:-560} python3 benchmarks/run_all.py --out "$OUT" ${RUN_ALL_ARGS:-} ;;
     *) echo "unknown stage $s" ;;
   esac
