@@ -15,7 +15,7 @@
 # states by SASS instruction (Nsight Compute); mhc_stats_kernel tests and times the TileLang mhc_pre's stats kernel (one
 # row a thread) against the finish kernel's stats programs it replaced; read_pattern reads the residual as the mhc_pre
 # does with a plain pipeline of 2, 4 and 6 stages; mhc_pre_previous times the mhc_pre default beside the one before.
-# On a fresh H200, one call: MHC_LIMIT=250 bash benchmarks/run_gpu.sh env mhc read_pattern mhc_pre_previous
+# On a fresh H200: MHC_LIMIT=250 bash benchmarks/run_gpu.sh env mhc read_pattern, then mhc_cuts mhc_pre_previous
 # Each stage runs in its own process with a time limit and the run goes on when one fails; logs and JSON land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/dsv41-out}
