@@ -133,13 +133,6 @@ def main() -> None:
     sys.path.insert(0, ".")
     from benchmarks.common import measure_copy_bandwidth, time_interleaved, versions
 
-    m, d = a.m, a.d
-    h = torch.randn(m, HC * d, device="cuda", dtype=torch.bfloat16)
-    x = torch.empty(m, d, device="cuda", dtype=torch.bfloat16)
-    ref = h.float().sum().item()
-    hs = h.view(m, HC, d).float()
-    x_ref = ((hs[:, 0] + hs[:, 1]) + (hs[:, 2] + hs[:, 3])).bfloat16()
-    hs = None
     cases = []  # (name, order, rows, box, stages, write, store, policy)
     for st in a.stages:
         if a.stores:
@@ -153,6 +146,13 @@ def main() -> None:
                                   st, write, "st", None))
     if not cases:
         ap.error(f"no order starts with any of {a.orders}: {list(ORDERS)}")
+    m, d = a.m, a.d
+    h = torch.randn(m, HC * d, device="cuda", dtype=torch.bfloat16)
+    x = torch.empty(m, d, device="cuda", dtype=torch.bfloat16)
+    ref = h.float().sum().item()
+    hs = h.view(m, HC, d).float()
+    x_ref = ((hs[:, 0] + hs[:, 1]) + (hs[:, 2] + hs[:, 3])).bfloat16()
+    hs = None
     fns, nbytes = {}, {}
     for name, order, rows, box, st, write, store, policy in cases:
         if st * HC * rows * box * 2 > 200 * 1024:  # the stages' shared memory
