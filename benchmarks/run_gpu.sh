@@ -120,8 +120,11 @@ for s in $stages; do
         ${STATS_MS:-1536 4096 16384 65536} ;;
     read_pattern)  # a plain TMA pipeline in the mhc_pre's read order, with and without x's writes, at 2 / 4 / 6
       # stages of 16 KiB: does the card reach its copy bandwidth with the kernel's 4 stages (runs 226-227: the H100 does)
-      run read_pattern ${READ_LIMIT:-110} python3 benchmarks/probe_read_pattern.py --orders "slices, 64 x 32" \
-        --stages ${READ_STAGES:-2 4 6} ;;
+      # READ_MS: the row counts, one probe each (65536 only by default)
+      for m in ${READ_MS:-65536}; do
+        run "read_pattern_$m" ${READ_LIMIT:-110} python3 benchmarks/probe_read_pattern.py --orders "slices, 64 x 32" \
+          --stages ${READ_STAGES:-2 4 6} --m "$m"
+      done ;;
     mhc_pre_previous)  # the mhc_pre default beside the one of runs 231-244 (no CTA pairs), the op, in turn
       run mhc_pre_previous ${PREVIOUS_LIMIT:-140} python3 benchmarks/probe_mhc_pre_diag.py \
         ${PREVIOUS_MS:-65536,16384,4096} --op wg1-split-v2-ml-pk-dd-xh-hn3-re-ln ;;
