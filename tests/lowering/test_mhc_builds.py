@@ -81,9 +81,10 @@ def _sm90_builds(d: int = 5120) -> tuple[list[str], list[dict]]:
         module="dsv41_passes.lowering.triton.mhc_finish", num_warps=4)
     from dsv41_passes.lowering.triton.mhc_finish import STATS_WARPS, _maxnreg_option
 
-    add("stats kernel", "_stats_kernel", "ws_ptr ss_ptr scale_ptr base_ptr pre_ptr post_ptr comb_ptr mix_ptr".split(),
-        floats, dict(K=4 * d, BM=64, FB=32 * STATS_WARPS, NPART=16, MIXES=False),
-        module="dsv41_passes.lowering.triton.mhc_finish", num_warps=STATS_WARPS, **_maxnreg_option())
+    for what, pdl in (("stats kernel", False), ("stats kernel pdl", True)):
+        add(what, "_stats_kernel", "ws_ptr ss_ptr scale_ptr base_ptr pre_ptr post_ptr comb_ptr mix_ptr".split(),
+            floats, dict(K=4 * d, BM=64, FB=32 * STATS_WARPS, NPART=16, MIXES=False, PDL=pdl),
+            module="dsv41_passes.lowering.triton.mhc_finish", num_warps=STATS_WARPS, **_maxnreg_option())
     cfg = tk.DEFAULTS["mhc_boundary"]
     add("boundary", "_proj_kernel", proj_ptrs, floats,
         dict(D=d, BK=bk, BM=cfg["BLOCK_M"], XB=tk._norm_block(d, cfg["BLOCK_M"]), BOUNDARY=True, COLLAPSE=True,
@@ -155,7 +156,7 @@ def test_triton_sm90_builds_one_wgmma_shape_and_no_fma():
     for n in ("collapse norm=False", "collapse norm=True", "post", "finish kernel 16 partials",
               "finish kernel 32 partials", "pre finish=kernel split=2", "decode pre 16x4 split=2",
               "decode boundary 16x4 split=2", "decode finish kernel", "finish kernel row-major norm",
-              "post collapse split=1", "post collapse split=2", "stats kernel"):
+              "post collapse split=1", "post collapse split=2", "stats kernel", "stats kernel pdl"):
         assert built[n]["usage"]["STACK"] == 0, (n, built[n]["usage"])
     # the stats kernel: a row a thread, nothing through shared memory (no barrier), within its register budget
     from dsv41_passes.lowering.triton.mhc_finish import STATS_MAXNREG, _maxnreg_option
@@ -170,6 +171,15 @@ def test_triton_sm90_builds_one_wgmma_shape_and_no_fma():
         assert "griddepcontrol.launch_dependents" in built["decode pre 16x4 split=2"]["ptx"]
         assert "griddepcontrol.wait" in built["decode finish kernel"]["ptx"]
         assert "griddepcontrol" not in built["finish kernel 16 partials"]["ptx"]
+        # the stats kernel after a TileLang ``finish_pdl`` build: its wait comes before its first global load, and
+        # it is otherwise the same kernel
+        ops = [instructions(built[n]["ptx"]) for n in ("stats kernel pdl", "stats kernel")]
+        first_load = min(i for i, op in enumerate(ops[0]) if op.startswith("ld.global"))
+        assert [i for i, op in enumerate(ops[0]) if op.startswith("griddepcontrol")] == [
+            ops[0].index("griddepcontrol.wait ;")] and ops[0].index("griddepcontrol.wait ;") < first_load
+        assert not any(op.startswith("griddepcontrol") for op in ops[1])
+        plain = [sorted(re.sub(r"%\w+", "%", op) for op in o if not op.startswith("griddepcontrol")) for o in ops]
+        assert plain[0] == plain[1]  # (the same instructions, registers aside)
     # the stats' divisions and exponentials as pinned (``mhc_finish``; the TileLang fused finish repeats them): no
     # division the compiler picked (Triton 3.9 made ss / K an approximate reciprocal's product)
     for n in ("finish kernel 16 partials", "decode finish kernel", "pre 64x4", "boundary", "stats kernel"):

@@ -152,6 +152,12 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
         _check_fused_finish(src, cfg)
     else:
         assert "dsv41_count_release" not in src and "dsv41_wait_count" not in src
+    # finish_pdl: each thread triggers the dependent launch once, before anything else of the kernel's
+    body = src[src.index("__global__"):]
+    assert body.count("dsv41_pdl_trigger();") == (1 if cfg.get("finish_pdl") else 0)
+    assert ("griddepcontrol.launch_dependents" in src) == bool(cfg.get("finish_pdl"))
+    if cfg.get("finish_pdl"):
+        assert body.index("dsv41_pdl_trigger();") < body.index("tma_load")
     assert "__fmaf_rn" in src and "__fdiv_rn" in src and "__fsqrt_rn" in src
     offsets = [int(v) for v in re.findall(r"buf_dyn_shmem \+ (\d+)\)", src)]
     assert max(offsets) < 227 * 1024
@@ -322,6 +328,8 @@ def test_build_options_are_checked():
     with pytest.raises(ValueError, match="post_store_late is for the boundary with the normalizing warps, without"):
         tlp.build(FLASH_D, 8, EPS, **dict(bc, post_store_late=True, post_tma_store=True))
     ff = tlp.CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-ff"]
+    with pytest.raises(ValueError, match="finish_pdl lets the Triton stats kernel launch early"):
+        tlp.build(FLASH_D, 8, EPS, **dict(ff, finish_pdl=True, finish_consts=(ITERS, HC_EPS, NORM_EPS)))
     with pytest.raises(ValueError, match="fused_finish needs held_norm"):  # (and the model's constants)
         tlp.build(FLASH_D, 8, EPS, **ff)
     with pytest.raises(ValueError, match="fused_finish needs held_norm"):

@@ -311,7 +311,15 @@ CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn2-re-ln"] = dict(CONFIGS["wg1-split-v2-ml-pk
 # Run 192 measured the fused finish's after its fix: the op 1.495 / 0.3831 / 0.0985 / 0.0528 ms against the default's
 # 1.508 / 0.3737 / 0.0973 / 0.0506 at M = 65536 / 16384 / 4096 / 2048 (-hn3-mc-ff: 1.549 / 0.3933 / 0.1028 / 0.0544),
 # the same bits: not kept.
-UNMEASURED: tuple[str, ...] = ()
+# The default and the boundary's with the Triton stats kernel launched by programmatic dependent launch
+# (``finish_pdl``: the kernel's CTAs trigger it first, its CTAs wait for this grid's end in the kernel): the op spends
+# 12 us past the kernel at M = 4096 (H100: 0.0948 ms in run 249 against the kernel's 0.0827 in run 251), the stats
+# kernel's launch gap among them. The same bits by construction (the same kernels, the same order of writes and reads).
+CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc-fp"] = dict(CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc"],
+                                                           finish_pdl=True)
+CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1-ln-fp"] = dict(
+    CONFIGS["wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1-ln"], finish_pdl=True)
+UNMEASURED: tuple[str, ...] = ("wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc-fp",)
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
 _ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc")
 if _ENV_CONFIG not in CONFIGS:
@@ -411,9 +419,11 @@ def _check(op: str, h, sliced, weight):
 STATS_KERNEL = "rows_full"
 
 
-def _finish(x, ws, ss, scale, base, iters, hc_eps, norm_eps, mixes: bool = False, kernel: str | None = None):
+def _finish(x, ws, ss, scale, base, iters, hc_eps, norm_eps, mixes: bool = False, kernel: str | None = None,
+            pdl: bool = False):
     """``(pre, post, comb[, mixes])``: the Triton stats kernel on the partials (``triton.mhc_finish.finish_stats``,
-    the bits of the finish kernel's stats programs; ``kernel``: which, ``STATS_KERNEL`` when None)."""
+    the bits of the finish kernel's stats programs; ``kernel``: which, ``STATS_KERNEL`` when None; ``pdl``: launched
+    by programmatic dependent launch, after a ``finish_pdl`` build)."""
     from ..triton.mhc_common import LAUNCH_OPTIONS
     from ..triton.mhc_finish import finish_stats
 
@@ -424,7 +434,7 @@ def _finish(x, ws, ss, scale, base, iters, hc_eps, norm_eps, mixes: bool = False
     mix = torch.empty((m, NMIX), **f32) if mixes else None
     if m:
         finish_stats(ws, ss, scale.contiguous(), base.contiguous(), pre, post, comb, mix, m, 4 * d, BM, iters,
-                     hc_eps, norm_eps, LAUNCH_OPTIONS, kernel=kernel or STATS_KERNEL)
+                     hc_eps, norm_eps, LAUNCH_OPTIONS, kernel=kernel or STATS_KERNEL, pdl=pdl)
     return (pre, post, comb, mix) if mixes else (pre, post, comb)
 
 
@@ -442,7 +452,7 @@ def mhc_pre(h, pre_prev, sliced, scale, base, weight, iters, hc_eps, norm_eps, e
             return x, pre, post, comb, _finish(x, ws, ss, scale, base, iters, hc_eps, norm_eps, True)[3]
         return x, pre, post, comb
     x, ws, ss = partials(h, pre_prev, sliced, weight, eps, config=cfg)
-    return (x, *_finish(x, ws, ss, scale, base, iters, hc_eps, norm_eps, mixes, kern))
+    return (x, *_finish(x, ws, ss, scale, base, iters, hc_eps, norm_eps, mixes, kern, bool(cfg.get("finish_pdl"))))
 
 
 def mhc_boundary(y, res, post, comb, pre_prev, sliced, scale, base, weight, iters, hc_eps, norm_eps, eps, *,
@@ -461,4 +471,5 @@ def mhc_boundary(y, res, post, comb, pre_prev, sliced, scale, base, weight, iter
     cfg = dict(BOUNDARY_CONFIG if config is None else config, boundary=True)
     kern = cfg.pop("stats_kernel", None)
     new, x, ws, ss = partials(res, pre_prev, sliced, weight, eps, config=cfg, post=(y, post, comb))
-    return (new, x, *_finish(x, ws, ss, scale, base, iters, hc_eps, norm_eps, kernel=kern))
+    return (new, x, *_finish(x, ws, ss, scale, base, iters, hc_eps, norm_eps, kernel=kern,
+                             pdl=bool(cfg.get("finish_pdl"))))

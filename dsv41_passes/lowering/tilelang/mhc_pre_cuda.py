@@ -73,3 +73,10 @@ __device__ __forceinline__ void dsv41_prefetch_l1(const void* p) {
   asm volatile("prefetch.global.L1 [%0];" :: "l"(p));
 }
 """
+# the next grid (the Triton stats kernel, launched by programmatic dependent launch) may launch now (``finish_pdl``);
+# it still waits for this grid's end and writes (``griddepcontrol.wait``) before it reads the partials
+PDL_TRIGGER_SOURCE = r"""
+__device__ __forceinline__ void dsv41_pdl_trigger() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+"""

@@ -61,7 +61,7 @@ import contextlib
 from types import SimpleNamespace
 
 from ..mhc_weights import NUM_SLICES, slice_geometry
-from .mhc_pre_cuda import LD4_RELAXED_SOURCE, PACKED_CVT_SOURCE, PREFETCH_SOURCE, X_HINTS_SOURCE
+from .mhc_pre_cuda import LD4_RELAXED_SOURCE, PACKED_CVT_SOURCE, PDL_TRIGGER_SOURCE, PREFETCH_SOURCE, X_HINTS_SOURCE
 from .mhc_pre_finish import FINISH_SOURCE, finish_loop
 from .mhc_pre_macros import kernel_macros
 from .mhc_pre_options import checked_options
@@ -127,7 +127,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
           ml48: bool = False, held_norm: int = 0, held_prepoll: bool = False, hi_multicast: int = 0,
           fused_finish: bool = False, finish_consts: tuple | None = None, dots_release_early: bool = False,
           post_prefetch: int = 0, post_store_late: bool = False, vec_release_early: bool = False,
-          ml_stream: bool = False, loads_evict_first: bool = True, post_evict_first: bool = False):
+          ml_stream: bool = False, loads_evict_first: bool = True, post_evict_first: bool = False,
+          finish_pdl: bool = False):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
@@ -188,7 +189,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     (``mhc_pre_macros.release``); ``fused_finish`` (``held_norm``, not the boundary; ``finish_consts`` = (Sinkhorn
     iterations, hc_eps, the stats' norm eps)): warps 1-3 of the producer warpgroup compute pre, post and comb from the
     partials once each row block's 16 slices have published them (``mhc_pre_finish``), instead of the Triton finish
-    kernel after the launch.
+    kernel after the launch; ``finish_pdl``: each CTA's threads issue ``griddepcontrol.launch_dependents`` first, so
+    a stats kernel launched by programmatic dependent launch is placed while this grid runs (it waits for its end).
     ``diag`` (probe builds only, ``benchmarks/probe_mhc_pre_diag.py``; comma-separated): "timers" has the first thread
     of each role (producer, normalizing warps, dots, vector) count clock64 cycles waiting on its barriers and in all,
     written over xss at the end (in the partial layout); "nonorm", "novec", "nodots" and "noxstore" drop that work
@@ -257,7 +259,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     launch = dict(cluster_dims=(hi_multicast, 1, 1)) if hi_multicast else {}
     prelude = (X_HINTS_SOURCE if x_hints else "") + (LD4_RELAXED_SOURCE if xss_by_row else "") + (
         PACKED_CVT_SOURCE if packed_cvt else "") + (FINISH_SOURCE if fused_finish else "") + (
-        PREFETCH_SOURCE if post_prefetch else "") or None
+        PREFETCH_SOURCE if post_prefetch else "") + (PDL_TRIGGER_SOURCE if finish_pdl else "") or None
     fin = finish_loop(T, geo) if fused_finish else None
 
     @T.macro
@@ -265,6 +267,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         """The kernel; ``io_post``: ``mhc_boundary``'s extra tensors (y, post, comb, new_res) or None; ``io_fin``:
         ``fused_finish``'s (scale, base, pre, post, comb)."""
         with T.Kernel(groups * S, threads=threads, prelude=prelude, **launch) as cta:
+            if finish_pdl:  # the stats kernel's grid may launch now (it waits for this one's writes)
+                T.call_extern("handle", "dsv41_pdl_trigger")
             if hi_multicast:
                 s, g, rank = cluster_slot(cta, hi_multicast, S)
             else:

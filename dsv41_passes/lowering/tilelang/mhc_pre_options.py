@@ -74,6 +74,9 @@ def checked_options(d: int, groups: int, options: dict) -> SimpleNamespace:
     if o.fused_finish and not (o.held_norm and not o.boundary and o.finish_consts is not None):
         raise ValueError("TileLang mhc_pre: fused_finish needs held_norm (the producer warps it frees), no boundary, "
                          "and finish_consts (iterations, hc_eps, norm_eps)")
+    if o.finish_pdl and o.fused_finish:
+        raise ValueError("TileLang mhc_pre: finish_pdl lets the Triton stats kernel launch early; fused_finish has "
+                         "none")
     if (o.norm_w_smem or o.norm_prepoll) and not o.norm_wg:
         raise ValueError("TileLang mhc_pre: norm_w_smem and norm_prepoll are for the normalizing warps (norm_wg)")
     return o

@@ -17,7 +17,7 @@ import functools
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, pairwise_row_sum
+from .common import INTERPRET, pairwise_row_sum, pdl_available
 from .common import gdc_wait as _gdc_wait
 from .mhc_common import _NMIX, _normalize_cols
 
@@ -226,6 +226,7 @@ def _quad_tree(k, q, s, h):
 def _stats_kernel(
     ws_ptr, ss_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, mix_ptr, M, iters, nloop, hc_eps, norm_eps,
     K: tl.constexpr, BM: tl.constexpr, FB: tl.constexpr, NPART: tl.constexpr, MIXES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """``_finish_stats`` for FB consecutive rows (of any row blocks), one row a thread (FB = 32 x warps): the same
     sums in the same order, so the same bits. ``_finish_kernel``'s stats programs (FB <= 32 rows on 4 warps) hold
@@ -236,6 +237,8 @@ def _stats_kernel(
     the steps (``_quad_tree``). (Reading 4 mix columns of the 16 partials a step, 6 steps, asked for each sector
     twice, steps apart: 135 against 50 us at M = 65536, run 188, H100.)"""
     tl.static_assert(NPART == 16, "the stats kernel sums 16 partials a row")
+    if PDL:  # launched by programmatic dependent launch: wait for the partials' writer to end
+        _gdc_wait()
     rows = tl.program_id(0).to(tl.int64) * FB + tl.arange(0, FB)
     rmask = rows < M
     rl = tl.minimum(rows, M - 1)  # rows past M load the last row's partials and store nothing
@@ -382,10 +385,12 @@ def _maxnreg_option() -> dict:
 
 
 def finish_stats(ws, ss, scale, base, pre, post, comb, mix, m: int, k: int, bm: int, iters: int, hc_eps: float,
-                 norm_eps: float, launch_options: dict, kernel: str = "rows_full") -> None:
+                 norm_eps: float, launch_options: dict, kernel: str = "rows_full", pdl: bool = False) -> None:
     """pre, post, comb (and with ``mix`` not None the pre-Sinkhorn mixes) from the partials ``ws``/``ss`` of an
     ``m``-row projection (K = ``k``, 16 slices, ``bm``-row blocks). ``kernel``: "rows_full" (``_stats_kernel``, one
-    row a thread) or "tiles" (``_finish_kernel``'s stats programs); the same bits."""
+    row a thread) or "tiles" (``_finish_kernel``'s stats programs); the same bits. ``pdl``: "rows_full" launched by
+    programmatic dependent launch where the device takes it (``common.pdl_available``), waiting in the kernel for
+    the partials' writer, which lets it launch early (the TileLang kernel's ``finish_pdl``)."""
     mixes = mix is not None
     if kernel == "tiles":
         fb = stats_rows(bm, 16)
@@ -397,7 +402,9 @@ def finish_stats(ws, ss, scale, base, pre, post, comb, mix, m: int, k: int, bm: 
     if kernel != "rows_full":
         raise ValueError(f"finish_stats: kernel is 'rows_full' or 'tiles', got {kernel!r}")
     fb = 32 * STATS_WARPS
+    pdl = pdl and pdl_available(ws.device)
     _stats_kernel[(triton.cdiv(m, fb),)](
         ws, ss, scale, base, pre, post, comb, mix if mixes else pre, m, int(iters), 4,
-        float(hc_eps), float(norm_eps), K=k, BM=bm, FB=fb, NPART=16, MIXES=mixes,
-        num_warps=STATS_WARPS, **launch_options, **({} if INTERPRET else _maxnreg_option()))
+        float(hc_eps), float(norm_eps), K=k, BM=bm, FB=fb, NPART=16, MIXES=mixes, PDL=pdl,
+        num_warps=STATS_WARPS, **launch_options, **({} if INTERPRET else _maxnreg_option()),
+        **({"launch_pdl": True} if pdl else {}))
