@@ -60,7 +60,7 @@ BUILD_CONFIG_NAMES = PRE_CONFIG_NAMES if os.environ.get("DSV41_TEST_ALL_BUILDS")
 BOUNDARY_OPTS = [{}, {"post_tma_store": True}, {"packed_cvt": False}, {"dots_release_early": False},
                  {"post_prefetch": 2}, {"post_store_late": True}, {"vec_release_early": False}, {"lag": 2},
                  {"ml_stream": True, "stages": 5}, {"hi_multicast": 0}, {"loads_evict_first": True},
-                 {"post_evict_first": True}, {"finish_pdl": True},
+                 {"post_evict_first": True},
                  {"hi_multicast": 0, "dots_defer": False, "dots_release_early": False},
                  {"hi_multicast": 0, "ml48": False},
                  {"hi_multicast": 0, "held_norm": 2, "norm_wg": False, "norm_w_smem": False, "lag": 2}]

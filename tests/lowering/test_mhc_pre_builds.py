@@ -347,9 +347,7 @@ def test_build_options_are_checked():
         tlp.partials(h, pp, sliced, w, EPS, config=ff, groups=8, finish=(fin[0], torch.zeros(4, 4), *fin[2:]))
 
 
-# (finish_pdl's one line of the kernel is built and checked in the mhc_pre's build, test_compiles_for_sm90a; the GPU
-# tests take it in the boundary)
-@pytest.mark.parametrize("opts", [o for o in BOUNDARY_OPTS if "finish_pdl" not in o], ids=opts_id)
+@pytest.mark.parametrize("opts", BOUNDARY_OPTS, ids=opts_id)
 def test_boundary_build(opts, tmp_path, monkeypatch):
     """``mhc_boundary`` in the persistent kernel (``boundary``): y's chunk comes by TMA with the stage; the vector role
     computes the post with the Triton post kernel's roundings, writes the new residual over the stage and to HBM,
