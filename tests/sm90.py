@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -76,3 +77,17 @@ def instructions(ptx: str) -> list[str]:
     skip = ("//", ".", "$", "{", "}", ")", "(")
     lines = [line.split("//")[0].strip() for line in ptx.splitlines() if not line.strip().startswith(skip)]
     return [f"{line[:-1]} ;" if line.endswith(";") and " " not in line else line for line in lines if line]
+
+
+def pdl_prologue(pdl_ptx: str, plain_ptx: str) -> list[str]:
+    """The grid-dependency instructions of a kernel's PDL build, in order, checked to come before its first global
+    access and to be all that differs from its plain build (instructions compared with their registers renamed
+    away; the plain build has none)."""
+    ops = [instructions(p) for p in (pdl_ptx, plain_ptx)]
+    gdc = [(i, op.split()[0]) for i, op in enumerate(ops[0]) if op.startswith("griddepcontrol")]
+    first_global = min(i for i, op in enumerate(ops[0]) if " ld.global" in f" {op}" or " st.global" in f" {op}")
+    assert gdc and all(i < first_global for i, _ in gdc), (gdc, first_global)
+    assert not any(op.startswith("griddepcontrol") for op in ops[1])
+    plain = [sorted(re.sub(r"%\w+", "%", op) for op in o if not op.startswith("griddepcontrol")) for o in ops]
+    assert plain[0] == plain[1], "the PDL build differs beyond its grid-dependency control"
+    return [op for _, op in gdc]
