@@ -128,6 +128,10 @@ for s in $stages; do
     mhc_pre_previous)  # the mhc_pre default beside the one of runs 231-244 (no CTA pairs), the op, in turn
       run mhc_pre_previous ${PREVIOUS_LIMIT:-140} python3 benchmarks/probe_mhc_pre_diag.py \
         ${PREVIOUS_MS:-65536,16384,4096} --op wg1-split-v2-ml-pk-dd-xh-hn3-re-ln ;;
+    wgmma_step)  # the dots' step alone by issue order (one CTA an SM, then one CTA): tensor cores, shared memory or
+      # the [mid; lo] chain's latency?
+      run wgmma_step ${STEP_LIMIT:-150} bash -c "python3 benchmarks/probe_wgmma_step.py && \
+        python3 benchmarks/probe_wgmma_step.py --ctas 1 --patterns step chain hi mix" ;;
     run_all) run run_all ${RUN_ALL_LIMIT:-560} python3 benchmarks/run_all.py --out "$OUT" ${RUN_ALL_ARGS:-} ;;
     *) echo "unknown stage $s" ;;
   esac

@@ -122,16 +122,21 @@ def test_compiles_for_sm90a(name, tmp_path, monkeypatch):
     waits = re.findall(r"tl::wait_wgmma<(\d)>", src)
     if cfg.get("dots_defer"):  # streams 1-3's chains of a step in flight into the next; all waited at a block's end
         early = ["0"] if cfg.get("dots_release_early") else []  # (all the previous step's groups, then its release)
-        assert src.count("wgmma_ss<") == 4 + 4 * len(chains) and waits == early + [str(3 * len(chains)), "0"], waits
+        order = cfg.get("dots_order", "")  # the chain groups left in flight: 3 (hi first), 2 ("mix") or 1 ("alt")
+        in_flight = {"": 3 * len(chains), "mix": 2, "alt": 1}[order]
+        assert src.count("wgmma_ss<") == 4 + 4 * len(chains) and waits == early + [str(in_flight), "0"], waits
         dots = src[src.index("if (((int)threadIdx.x) < 256) {"):src.index("if (256 <= ((int)threadIdx.x)) {")]
         # a step's stage wait after the previous step's release: with dots_release_early all its groups done first,
         # else after this step's dots
         first = [dots.index(k) for k in ("tl::wait_wgmma<0>", "empty[", "].wait(")]
         assert (first[0] < first[1] < first[2]) == bool(cfg.get("dots_release_early")), first
         issued = re.findall(r"\(\(uint32_t\*\)\((\w+) \+ 0\)\)", dots)  # the accumulator of each wgmma, in order
-        assert issued[:4] == ["sh0", "sh1", "sh2", "sh3"], issued
+        hi = [i for i, a in enumerate(issued) if a.startswith("sh")]
+        assert [issued[i] for i in hi] == ["sh0", "sh1", "sh2", "sh3"], issued
+        assert hi == {"": [0, 1, 2, 3], "mix": [1, 2, 4, 5], "alt": [0, 2, 4, 6]}[order], issued
         if ml48:  # one [mid | lo] accumulator (TileLang names it after one of its two bindings)
-            assert len(issued) == 8 and len(set(issued[4:])) == 1 and issued[4] in ("acc_mid", "acc_lo"), issued
+            ml = [a for i, a in enumerate(issued) if i not in hi]
+            assert len(issued) == 8 and len(set(ml)) == 1 and ml[0] in ("acc_mid", "acc_lo"), issued
         else:
             assert issued[4:] == chains * 4, issued
         assert dots.count("((c == 0) ? 0 : 1)") == len(chains)  # a block's chains start from zero by stream 0's scale-d
@@ -296,7 +301,8 @@ def test_two_vector_warpgroups_need_split_roles():
 
 def test_build_options_are_checked():
     """``diag`` takes only its known flags, ``norm_w_smem`` only goes with the normalizing warps, ``dots_defer`` with
-    split roles and ``ml48`` with split roles and the mid part resident."""
+    split roles and ``ml48`` with split roles and the mid part resident, ``dots_order`` with the deferred dots and
+    ``ml48``."""
     from dsv41_passes.lowering.tilelang import mhc_pre as tlp
 
     pytest.importorskip("tilelang")
@@ -310,6 +316,10 @@ def test_build_options_are_checked():
         tlp.build(FLASH_D, 8, EPS, **dict(tlp.CONFIGS["wg1-producer"], ml48=True))
     with pytest.raises(ValueError, match="ml48 needs split roles and the mid part resident"):
         tlp.build(FLASH_D, 8, EPS, **dict(tlp.DEFAULT_CONFIG, ml48=True, mid_resident=False))
+    with pytest.raises(ValueError, match="dots_order 'hc'"):
+        tlp.build(FLASH_D, 8, EPS, **dict(tlp.DEFAULT_CONFIG, dots_order="hc"))
+    with pytest.raises(ValueError, match="dots_order 'mix'"):
+        tlp.build(FLASH_D, 8, EPS, **dict(tlp.CONFIGS["wg1-split-v2-normwg3-ws-ml"], dots_order="mix"))
     mc = tlp.CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-mc"]
     # (no norm on the producer's warps or in registers: the vector role's lagged norm; no deferred dots; odd groups)
     for cfg, groups in ((dict(mc, held_norm=0), 8), (dict(mc, dots_defer=False), 8), (mc, 7),

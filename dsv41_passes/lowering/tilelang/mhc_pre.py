@@ -308,6 +308,14 @@ CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn2-re-ln"] = dict(CONFIGS["wg1-split-v2-ml-pk
 # 0.0793 at 4096, the same bits: slower (45% at 4096), not kept.
 CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc-fp"] = dict(CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc"],
                                                            finish_pdl=True)
+# The default with its dots' eight wgmma groups a step issued in another order (``dots_order``), so that no chain
+# group follows another: "mix" C0 H0 H1 C1 H2 H3 C2 C3, "alt" H0 C0 H1 C1 H2 C2 H3 C3. Runs 252-253 (H200) had the
+# dots' warpgroup busy about 1040 cycles a step for about 290 of tensor-core work, and the kernel 15% faster without
+# them (``benchmarks/probe_wgmma_step.py`` times the orders alone). The same bits by construction.
+CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc-om"] = dict(CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc"],
+                                                           dots_order="mix")
+CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc-oa"] = dict(CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc"],
+                                                           dots_order="alt")
 # Not kept (measured in runs 173-174 and 179-181, code not in the tree): the row's x loaded before its partials are
 # polled; the residual's sums of squares moved to the dots' warpgroup (with setmaxnreg budgets a role); the row
 # block's pre weights brought by TMA with its first stage; one stage-barrier arrival a warp instead of a thread;
@@ -319,7 +327,7 @@ CONFIGS["wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc-fp"] = dict(CONFIGS["wg1-split-v2
 # Run 192 measured the fused finish's after its fix: the op 1.495 / 0.3831 / 0.0985 / 0.0528 ms against the default's
 # 1.508 / 0.3737 / 0.0973 / 0.0506 at M = 65536 / 16384 / 4096 / 2048 (-hn3-mc-ff: 1.549 / 0.3933 / 0.1028 / 0.0544),
 # the same bits: not kept.
-UNMEASURED: tuple[str, ...] = ()
+UNMEASURED: tuple[str, ...] = ("wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc-om", "wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc-oa")
 # DSV41_MHC_PRE_TILELANG_CONFIG names another entry from the environment (for probes and benchmarks)
 _ENV_CONFIG = os.environ.get("DSV41_MHC_PRE_TILELANG_CONFIG", "wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc")
 if _ENV_CONFIG not in CONFIGS:

@@ -128,7 +128,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
           fused_finish: bool = False, finish_consts: tuple | None = None, dots_release_early: bool = False,
           post_prefetch: int = 0, post_store_late: bool = False, vec_release_early: bool = False,
           ml_stream: bool = False, loads_evict_first: bool = True, post_evict_first: bool = False,
-          finish_pdl: bool = False):
+          finish_pdl: bool = False, dots_order: str = ""):
     """PrimFunc of the persistent kernel (hidden ``d``, ``groups * 16`` CTAs, norm ``eps`` baked in;
     ``wgs`` warpgroups a CTA, each 64 rows of a ``64 * wgs``-row block; a row block's collapse is
     normalized while the CTA computes the row block ``lag`` after it; ``mid_resident``: the mid part
@@ -190,7 +190,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     iterations, hc_eps, the stats' norm eps)): warps 1-3 of the producer warpgroup compute pre, post and comb from the
     partials once each row block's 16 slices have published them (``mhc_pre_finish``), instead of the Triton finish
     kernel after the launch; ``finish_pdl``: each CTA's threads issue ``griddepcontrol.launch_dependents`` first, so
-    a stats kernel launched by programmatic dependent launch is placed while this grid runs (it waits for its end).
+    a stats kernel launched by programmatic dependent launch is placed while this grid runs (it waits for its end);
+    ``dots_order`` "mix" or "alt" (``dots_defer``, ``ml48``): the order of a step's wgmma groups
+    (``mhc_pre_macros.dots_deferred``).
     ``diag`` (probe builds only, ``benchmarks/probe_mhc_pre_diag.py``; comma-separated): "timers" has the first thread
     of each role (producer, normalizing warps, dots, vector) count clock64 cycles waiting on its barriers and in all,
     written over xss at the end (in the partial layout); "nonorm", "novec", "nodots" and "noxstore" drop that work
@@ -244,7 +246,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
         held_prepoll=held_prepoll, hi_multicast=hi_multicast, fused_finish=fused_finish, finish_consts=finish_consts,
         dots_release_early=dots_release_early, post_prefetch=post_prefetch, post_store_late=post_store_late,
         post_evict_first=post_evict_first,
-        vec_release_early=vec_release_early, ml_stream=ml_stream,
+        vec_release_early=vec_release_early, ml_stream=ml_stream, dots_order=dots_order,
         load_policy="evict_first" if loads_evict_first else "evict_normal")
     mc = kernel_macros(T, geo)
     timers_start, timers_write, timed_wait = mc.timers_start, mc.timers_write, mc.timed_wait

@@ -23,7 +23,7 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
     xss_by_row, packed_cvt, ml48 = g.xss_by_row, g.packed_cvt, g.ml48
     ml_stream = g.ml_stream  # (ml48 with hi resident, [mid; lo] in the stage's lo0..lo3)
     load_policy = g.load_policy  # the residual's (and the boundary's y) TMA loads' L2 eviction policy
-    hi_multicast, dots_release_early = g.hi_multicast, g.dots_release_early
+    hi_multicast, dots_release_early, dots_order = g.hi_multicast, g.dots_release_early, g.dots_order
     # ``fused_finish``: a warp's publication of a row block's partials (``mhc_pre_finish``)
     count_block = finish_loop(T, g).count_block if g.fused_finish else None
     timers = "timers" in flags
@@ -292,7 +292,10 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
         flight across it, and (C7515, C7518) when one in a branch touches an accumulator, so a row block's last chunk
         is not a branch of the loop but its end. ``dots_release_early``: a step first waits for all the previous
         step's groups and releases its stage, before it waits for its own, so a stage is not held while the dots wait
-        for the next one (with ``boundary``, for the vector role's post of it); the same products and sums."""
+        for the next one (with ``boundary``, for the vector role's post of it); the same products and sums.
+        ``dots_order`` (``ml48``): the step's eight groups issued in another order, "mix" (C0 H0 H1 C1 H2 H3 C2 C3, C
+        a stream's chain group, H its hi dot) or "alt" (H0 C0 H1 C1 ...), so a chain group does not follow another;
+        each accumulator sees the same wgmmas in the same order: the same bits."""
         acc_hi, acc_mid, acc_lo, sh0, sh1, sh2, sh3 = fr
         a0, a1, a2, a3, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, md0, md1, md2, md3, mds = b.smem
         h, wlo, wmid, x, ws, ss, xss, pre_prev, w_s, s, gi = b.io
@@ -319,15 +322,36 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                 timed_wait(b.full, st, (t // stages) % 2, b.tm, b.tc, 0)
                 if b.ready is not None:  # ``boundary``: the vector role has written the new residual over the stage
                     timed_wait(b.ready, st, (t // stages) % 2, b.tm, b.tc, 1)
-                hi_dot(a0, hi0, lo0, sh0, st, c)
-                hi_dot(a1, hi1, lo1, sh1, st, c)
-                hi_dot(a2, hi2, lo2, sh2, st, c)
-                hi_dot(a3, hi3, lo3, sh3, st, c)
-                chain_dots(a0, md0, mds, 0, lo0, acc_mid, acc_lo, st, c, c == 0)
-                chain_dots(a1, md1, mds, 1, lo1, acc_mid, acc_lo, st, c)
-                chain_dots(a2, md2, mds, 2, lo2, acc_mid, acc_lo, st, c)
-                chain_dots(a3, md3, mds, 3, lo3, acc_mid, acc_lo, st, c)
-                T.wait_wgmma(3 if ml48 else 6)  # streams 1-3's chain groups stay in flight
+                if dots_order == "mix":  # C0 H0 H1 C1 H2 H3 C2 C3: chain groups between hi ones
+                    chain_dots(a0, md0, mds, 0, lo0, acc_mid, acc_lo, st, c, c == 0)
+                    hi_dot(a0, hi0, lo0, sh0, st, c)
+                    hi_dot(a1, hi1, lo1, sh1, st, c)
+                    chain_dots(a1, md1, mds, 1, lo1, acc_mid, acc_lo, st, c)
+                    hi_dot(a2, hi2, lo2, sh2, st, c)
+                    hi_dot(a3, hi3, lo3, sh3, st, c)
+                    chain_dots(a2, md2, mds, 2, lo2, acc_mid, acc_lo, st, c)
+                    chain_dots(a3, md3, mds, 3, lo3, acc_mid, acc_lo, st, c)
+                    T.wait_wgmma(2)  # streams 2-3's chain groups stay in flight
+                elif dots_order == "alt":  # H0 C0 H1 C1 H2 C2 H3 C3
+                    hi_dot(a0, hi0, lo0, sh0, st, c)
+                    chain_dots(a0, md0, mds, 0, lo0, acc_mid, acc_lo, st, c, c == 0)
+                    hi_dot(a1, hi1, lo1, sh1, st, c)
+                    chain_dots(a1, md1, mds, 1, lo1, acc_mid, acc_lo, st, c)
+                    hi_dot(a2, hi2, lo2, sh2, st, c)
+                    chain_dots(a2, md2, mds, 2, lo2, acc_mid, acc_lo, st, c)
+                    hi_dot(a3, hi3, lo3, sh3, st, c)
+                    chain_dots(a3, md3, mds, 3, lo3, acc_mid, acc_lo, st, c)
+                    T.wait_wgmma(1)  # stream 3's chain group stays in flight
+                else:
+                    hi_dot(a0, hi0, lo0, sh0, st, c)
+                    hi_dot(a1, hi1, lo1, sh1, st, c)
+                    hi_dot(a2, hi2, lo2, sh2, st, c)
+                    hi_dot(a3, hi3, lo3, sh3, st, c)
+                    chain_dots(a0, md0, mds, 0, lo0, acc_mid, acc_lo, st, c, c == 0)
+                    chain_dots(a1, md1, mds, 1, lo1, acc_mid, acc_lo, st, c)
+                    chain_dots(a2, md2, mds, 2, lo2, acc_mid, acc_lo, st, c)
+                    chain_dots(a3, md3, mds, 3, lo3, acc_mid, acc_lo, st, c)
+                    T.wait_wgmma(3 if ml48 else 6)  # streams 1-3's chain groups stay in flight
                 for i, n in T.Parallel(bm, nmix):
                     acc_hi[i, n] = T.ieee_add(
                         T.ieee_add(T.ieee_add(T.ieee_add(acc_hi[i, n], sh0[i, n]), sh1[i, n]), sh2[i, n]), sh3[i, n])

@@ -32,6 +32,9 @@ def checked_options(d: int, groups: int, options: dict) -> SimpleNamespace:
                          "nowstream, nopostmath, nopoll")
     if o.dots_defer and not o.split_roles:
         raise ValueError("TileLang mhc_pre: dots_defer needs split roles")
+    if o.dots_order not in ("", "mix", "alt") or o.dots_order and not (o.dots_defer and o.ml48):
+        raise ValueError(f"TileLang mhc_pre: dots_order {o.dots_order!r}: '', 'mix' or 'alt', the last two with "
+                         "dots_defer and ml48")
     if o.dots_release_early and not o.dots_defer:
         raise ValueError("TileLang mhc_pre: dots_release_early is an option of dots_defer")
     # the post's options: a boundary config built as an mhc_pre (no post) leaves them out
