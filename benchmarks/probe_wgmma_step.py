@@ -4,16 +4,21 @@ the tensor cores, by shared memory, or by the latency of the [mid; lo] chain (8 
 Runs 252-253 (H200) had the dots' warpgroup busy about 1040 cycles a step inside the kernel, for about 290 cycles of
 tensor-core work. This probe runs the same wgmmas on the same shared-memory tiles (a 4-stage ring of the four
 streams' [64, 32] chunks, the streamed [24, 32] hi chunks, the resident [48, d/16] [mid; lo] tiles), with no copies,
-no vector role and no barriers: one CTA of one warpgroup an SM, ``steps`` steps, clock64 around the loop. Orders
-(``PATTERNS``): "step", the kernel's (``dots_deferred`` with ``dots_release_early``): wait for every group, issue the 4
-hi dots, then the 4 chains, ``wait_wgmma<3>``, add the hi parts; "step_defer", the same without the first wait (``dots_defer`` alone: 3 chain groups
-in flight into the next step); "hi" and "chain" alone; "mix" and "mix_hc", the kernel's
-16 wgmmas as 8 k32 groups in another order, C0 H0 H1 C1 H2 H3 C2 C3 and H0 C0 H1 C1 H2 C2 H3 C3 (C a stream's chain
-group, H its hi dot; the same products and sums); "k16", the same 16 wgmmas
-issued one k16 at a time with each chain wgmma between two hi ones (the same products and sums in
-another order, but TileLang's k16 regions of a swizzled tile start at the wrong address: a timing only);
-"two_chains": streams 0-1 and 2-3 chained into two accumulators (other sums: a timing only); "n24": the hi dots, then mid and lo as
-two n24 chains (the layout before ``ml48``). Prints cycles a step (median over the CTAs) for each.
+no vector role and no barriers: one CTA of one warpgroup an SM, ``steps`` steps, clock64 around the loop.
+Orders (``PATTERNS``; C is a stream's [mid; lo] chain group, H its hi dot):
+
+* "step", the kernel's (``dots_deferred`` with ``dots_release_early``): wait for every group, issue H0-H3, then
+  C0-C3, ``wait_wgmma<3>``, add the hi parts; "step_defer", the same without the first wait (``dots_defer`` alone:
+  3 chain groups in flight into the next step);
+* "hi" and "chain": either alone;
+* "mix" and "mix_hc" (``dots_order`` "mix" and "alt"): the same 8 groups as C0 H0 H1 C1 H2 H3 C2 C3 and
+  H0 C0 H1 C1 H2 C2 H3 C3 (the same products and sums);
+* "k16": the same 16 wgmmas issued one k16 at a time, each chain wgmma between two hi ones (TileLang's k16 regions
+  of a swizzled tile start at the wrong address: a timing only);
+* "two_chains": streams 0-1 and 2-3 chained into two accumulators (other sums: a timing only);
+* "n24": the hi dots, then mid and lo as two n24 chains (the layout before ``ml48``).
+
+Prints cycles a step (median over the CTAs) for each.
 
     source .devsite/setup.sh && python3 benchmarks/probe_wgmma_step.py [--steps 4000] [--ctas 132]
 """
@@ -99,7 +104,7 @@ def build(pattern: str, steps: int, ctas: int):
                         for i, n in T.Parallel(BM, NMIX):
                             acc_hi[i, n] = T.ieee_add(T.ieee_add(T.ieee_add(T.ieee_add(
                                 acc_hi[i, n], sh0[i, n]), sh1[i, n]), sh2[i, n]), sh3[i, n])
-                if pattern in ("mix", "mix_hc"):  # whole k32 calls interleaved: C0 H0 H1 C1 H2 H3 C2 C3 / H0 C0 H1 C1 ..
+                if pattern in ("mix", "mix_hc"):  # whole k32 groups: C0 H0 H1 C1 H2 H3 C2 C3 / H0 C0 H1 C1 ...
                     T.wait_wgmma(0)
                     if pattern == "mix":
                         order = ((a0, md0, None), (a0, lo0, sh0), (a1, lo1, sh1), (a1, md1, None), (a2, lo2, sh2),
@@ -139,7 +144,8 @@ def build(pattern: str, steps: int, ctas: int):
             tm[0] = T.call_extern("int64", "clock64") - tm[0]
             cycles[cta] = tm[0]
             for i, n in T.Parallel(BM, NMIX):
-                acc_hi[i, n] = acc_hi[i, n] + acc_ml[i, n] + acc_ml2[i, n + NMIX] + sh0[i, n] + acc_m[i, n] + acc_l[i, n]
+                acc_hi[i, n] = (acc_hi[i, n] + acc_ml[i, n] + acc_ml2[i, n + NMIX] + sh0[i, n] + acc_m[i, n]
+                                + acc_l[i, n])
             for n in T.Parallel(NMIX):
                 out[cta, n] = acc_hi[0, n]
 

@@ -38,7 +38,7 @@ PRE_CONFIG_NAMES = ["wg1", "wg2", "wg1-producer", "wg2-producer", "wg1x2-produce
                     "wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1-ln",
                     "wg1-split-v2-normwg3-ws-ml-pk-dd-xh-mc-re-ve-lg1-ln-pe",
                     "wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc-fp", "wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc-om",
-                    "wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc-oa"]
+                    "wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc-oa", "wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc-ff"]
 # the configs whose sm_90a build CI checks (``test_mhc_pre_builds.py``, about 13 s each on a CI core): the defaults
 # (the mhc_pre's with and without its CTA pairs, the fused boundary's), each structural step (one or two warpgroups,
 # a producer, two rings, split roles with one vector warpgroup, two normalizing warps) and configs that together take
@@ -54,7 +54,7 @@ BUILD_CONFIG_NAMES = PRE_CONFIG_NAMES if os.environ.get("DSV41_TEST_ALL_BUILDS")
     "wg1-split-v2-ml-pk-dd-xh-hn3-mc4", "wg1-split-v2-ml-pk-dd-xh-hn3-ff", "wg1-split-v2-ml-pk-dd-xh-hn3-mc-ff",
     "wg1-split-v2-ml-pk-dd-hn3-re-ln", "wg1-split-v2-ml-pk-dd-xh-hn3-re-ms5",
     "wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc-fp", "wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc-om",
-    "wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc-oa"]
+    "wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc-oa", "wg1-split-v2-ml-pk-dd-xh-hn3-re-ln-mc-ff"]
 # the fused boundary's build options its build and GPU tests take on its config (BOUNDARY_CONFIG: it has hi_multicast
 # 2, dots_defer, packed_cvt, ml48, vec_release_early, lag 1 and its loads under the normal L2 policy; lag 2, the
 # config of runs 207-217; the evict-first loads of runs 191-230; the multicast off,
