@@ -1,8 +1,8 @@
 """The TileLang ``mhc_pre`` kernel (sm_90a): one persistent kernel, one read of the residual, the
 collapse + RMSNorm written to HBM once. It gives the Triton kernel's bits; the op runs it from
 ``lowering.mhc.TILELANG_PRE_MIN_M`` tokens up (``mhc_pre.CONFIGS``, ``docs/performance.md``). Here: the options
-(checked in ``mhc_pre_options``), the buffers and the roles' dispatch; the building blocks are ``mhc_pre_macros``,
-the consumer loops ``mhc_pre_roles``.
+(checked in ``mhc_pre_options``), the buffers and the roles' dispatch; the building blocks are ``mhc_pre_macros``
+(the dots' ``mhc_pre_dots``), the consumer loops ``mhc_pre_roles``.
 With ``boundary`` the kernel also computes the post before it (``mhc_pre.mhc_boundary``; ``post_tma_store``: the new
 residual leaves the stage by TMA).
 
@@ -176,7 +176,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     roundings an instruction (``PACKED_CVT_SOURCE``; the same values); ``ml48`` (split roles, the mid part resident):
     the mid and lo parts resident side by side as one [48, DS] tile a stream (``wmid`` is then ``[16, 4, 48, d/16]``,
     mid rows first) and their two chains one ``wgmma m64n48k16`` a step and stream, which reads the A tile once for
-    both; the hi part streams with the stage in lo's place (``mhc_pre_macros.chain_dots``); ``held_norm`` k + 1 (split
+    both; the hi part streams with the stage in lo's place (``mhc_pre_dots.chain_dots``); ``held_norm`` k + 1 (split
     roles, two vector warpgroups, ``packed_cvt``, no normalizing warps): the vector role keeps its rows' collapse of a
     block in registers and normalizes it during the next block, reading its rsqrt at step k (``mhc_pre_heldnorm``;
     registers by ``setmaxnreg``: ``HELD_REGS``); ``held_prepoll`` (``held_norm`` >= 2): that rsqrt's first poll issued a
@@ -192,7 +192,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     kernel after the launch; ``finish_pdl``: each CTA's threads issue ``griddepcontrol.launch_dependents`` first, so
     a stats kernel launched by programmatic dependent launch is placed while this grid runs (it waits for its end);
     ``dots_order`` "mix" or "alt" (``dots_defer``, ``ml48``): the order of a step's wgmma groups
-    (``mhc_pre_macros.dots_deferred``).
+    (``mhc_pre_dots.dots_deferred``).
     ``diag`` (probe builds only, ``benchmarks/probe_mhc_pre_diag.py``; comma-separated): "timers" has the first thread
     of each role (producer, normalizing warps, dots, vector) count clock64 cycles waiting on its barriers and in all,
     written over xss at the end (in the partial layout); "nonorm", "novec", "nodots" and "noxstore" drop that work

@@ -8,6 +8,7 @@ each macro's docstring says what it does."""
 
 from types import SimpleNamespace
 
+from .mhc_pre_dots import dots_macros
 from .mhc_pre_finish import finish_loop
 from .mhc_pre_post import post_macros
 
@@ -19,11 +20,11 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
     ds, bk, nc, bm, wgs, groups, rings = g.ds, g.bk, g.nc, g.bm, g.wgs, g.groups, g.rings
     nrun, vals, run_col, x_hints, mid_resident, lead, nt, nring = (
         g.nrun, g.vals, g.run_col, g.x_hints, g.mid_resident, g.lead, g.nt, g.nring)
-    flags, norm_w_smem, norm_prepoll, nmix, stages = g.flags, g.norm_w_smem, g.norm_prepoll, g.nmix, g.stages
+    flags, norm_w_smem, norm_prepoll = g.flags, g.norm_w_smem, g.norm_prepoll
     xss_by_row, packed_cvt, ml48 = g.xss_by_row, g.packed_cvt, g.ml48
     ml_stream = g.ml_stream  # (ml48 with hi resident, [mid; lo] in the stage's lo0..lo3)
     load_policy = g.load_policy  # the residual's (and the boundary's y) TMA loads' L2 eviction policy
-    hi_multicast, dots_release_early, dots_order = g.hi_multicast, g.dots_release_early, g.dots_order
+    hi_multicast = g.hi_multicast
     # ``fused_finish``: a warp's publication of a row block's partials (``mhc_pre_finish``)
     count_block = finish_loop(T, g).count_block if g.fused_finish else None
     timers = "timers" in flags
@@ -153,51 +154,6 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
                     xn[u * 8 + e] = x[row, col2 + run_col(hf, u) + e]
 
     @T.macro
-    def hi_dot(a, hi, lo, sh, st, c):
-        """A stream's hi dot of a step (async), from zero (with ``ml48`` the hi chunk came with the stage, in
-        ``lo``; with ``ml_stream`` it is resident)."""
-        if ml48 and not ml_stream:
-            T.wgmma_gemm(a[st, :, :], lo[st, :, :], sh, transpose_B=True, clear_accum=True)
-        else:
-            T.wgmma_gemm(a[st, :, :], hi[:, c * bk:(c + 1) * bk], sh, transpose_B=True, clear_accum=True)
-
-    @T.macro
-    def chain_dots(a, md, mds, k, lo, acc_mid, acc_lo, st, c, fresh=False):
-        """A stream's mid and lo dots of a step (async), chained over the slice (from zero where ``fresh`` holds:
-        ``dots_deferred`` starts a row block's chains by the wgmma, not by clearing the registers)."""
-        if ml48 and ml_stream:  # [mid; lo] streamed with the stage
-            T.wgmma_gemm(a[st, :, :], lo[st, :, :], acc_mid, transpose_B=True, clear_accum=fresh)
-        elif ml48:  # [mid; lo] resident: one n48 wgmma, both chains (acc_mid is [mid | lo])
-            T.wgmma_gemm(a[st, :, :], md[:, c * bk:(c + 1) * bk], acc_mid, transpose_B=True, clear_accum=fresh)
-        elif mid_resident:
-            T.wgmma_gemm(a[st, :, :], md[:, c * bk:(c + 1) * bk], acc_mid, transpose_B=True, clear_accum=fresh)
-        else:
-            T.wgmma_gemm(a[st, :, :], mds[st, k, :, :], acc_mid, transpose_B=True, clear_accum=fresh)
-        if not ml48:
-            T.wgmma_gemm(a[st, :, :], lo[st, :, :], acc_lo, transpose_B=True, clear_accum=fresh)
-
-    @T.macro
-    def stream_dots(a, hi, md, mds, k, lo, sh, acc_mid, acc_lo, st, c):
-        """Stream k's three dots of a step (async): hi from zero into sh, mid and lo chained."""
-        hi_dot(a, hi, lo, sh, st, c)
-        chain_dots(a, md, mds, k, lo, acc_mid, acc_lo, st, c)
-
-    @T.macro
-    def publish(ws, rb, s, fr):
-        """This slice's mix partials of row block rb (hi + mid + lo), in the Triton finish kernel's layout."""
-        acc_hi, acc_mid, acc_lo = fr[0], fr[1], fr[2]
-        if ml48:  # acc_mid is [mid | lo]; lo goes through sh0 (free once the block's groups are done: a parallel loop
-            # reads a fragment at one index only)
-            sh0 = fr[3]
-            for i, n in T.Parallel(bm, nmix):
-                sh0[i, n] = acc_mid[i, nmix + n]
-            for i, n in T.Parallel(bm, nmix):
-                ws[pslot(rb, i, s), n] = T.ieee_add(T.ieee_add(acc_hi[i, n], acc_mid[i, n]), sh0[i, n])
-        else:
-            for i, n in T.Parallel(bm, nmix):
-                ws[pslot(rb, i, s), n] = T.ieee_add(T.ieee_add(acc_hi[i, n], acc_mid[i, n]), acc_lo[i, n])
-
-    @T.macro
     def block_start(sq, xq, pr, prn, pre_prev, row_next):
         """The vector role at a row block's first step: its sums of squares from zero, this block's pre weights (loaded
         a block ahead: loaded here, their latency stalled the step, 6% of the op at M = 16384, run 114) and the next
@@ -276,95 +232,6 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
             if lt % 32 == 0:
                 for o in T.unroll(1, hi_multicast):
                     T.mbarrier_arrive(empty[st], (rank + o) % hi_multicast)
-
-    @T.macro
-    def dots_deferred(nloc, fr, lt, b):
-        """``dots_defer``: the dots' warpgroup of split roles (one ring, a producer) with each step's last wgmma
-        groups in flight into the next step, so the tensor cores do not idle while the warps sum the hi parts,
-        release the stage and wait for the next. A step issues the four hi dots first, then the mid / lo chains;
-        ``wait_wgmma<6>`` (it takes at most 7; ``<3>`` with ``ml48``, one chain group a stream) then has the hi dots
-        done and streams 1-3's chains in flight, and the previous step's groups all done, so its stage is released
-        then. The same products and sums in the same order
-        as the plain loop (the hi parts added in stream order, each chain over the streams in order; a chain starts
-        by the wgmma's scale-d, not from zeroed registers, which at most could flip the sign of an all-zero partial,
-        not a value). Only chain groups, never read in the loop, stay in flight across its back edge: ptxas
-        serializes every wgmma (C7514) when an instruction in a loop reads the accumulator of a group that may be in
-        flight across it, and (C7515, C7518) when one in a branch touches an accumulator, so a row block's last chunk
-        is not a branch of the loop but its end. ``dots_release_early``: a step first waits for all the previous
-        step's groups and releases its stage, before it waits for its own, so a stage is not held while the dots wait
-        for the next one (with ``boundary``, for the vector role's post of it); the same products and sums.
-        ``dots_order`` (``ml48``): the step's eight groups issued in another order, "mix" (C0 H0 H1 C1 H2 H3 C2 C3, C
-        a stream's chain group, H its hi dot) or "alt" (H0 C0 H1 C1 ...), so a chain group does not follow another;
-        each accumulator sees the same wgmmas in the same order: the same bits."""
-        acc_hi, acc_mid, acc_lo, sh0, sh1, sh2, sh3 = fr
-        a0, a1, a2, a3, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, md0, md1, md2, md3, mds = b.smem
-        h, wlo, wmid, x, ws, ss, xss, pre_prev, w_s, s, gi = b.io
-        timers_start(b.tm)
-        nodots = "nodots" in flags  # (``diag``: the stage waits and releases alone, no partials)
-        for j in T.serial(nloc):
-            if nodots:
-                for c in T.serial(nc):
-                    t = j * nc + c
-                    timed_wait(b.full, t % stages, (t // stages) % 2, b.tm, b.tc, 0)
-                    release(b.empty, t % stages, lt, b.rank)
-                if count_block is not None:  # (fused_finish: still counted, or the finishing warps wait forever)
-                    if within(j, b):
-                        count_block(xss, gi + j * groups, lt)
-                continue
-            T.clear(acc_hi)  # (added to by instructions, not by a wgmma)
-            for c in T.serial(nc):
-                t = j * nc + c
-                st = t % stages
-                if dots_release_early:  # (at a block's first step nothing is in flight: the block's end waited)
-                    T.wait_wgmma(0)
-                    if c > 0:
-                        release(b.empty, (t - 1) % stages, lt, b.rank)
-                timed_wait(b.full, st, (t // stages) % 2, b.tm, b.tc, 0)
-                if b.ready is not None:  # ``boundary``: the vector role has written the new residual over the stage
-                    timed_wait(b.ready, st, (t // stages) % 2, b.tm, b.tc, 1)
-                if dots_order == "mix":  # C0 H0 H1 C1 H2 H3 C2 C3: chain groups between hi ones
-                    chain_dots(a0, md0, mds, 0, lo0, acc_mid, acc_lo, st, c, c == 0)
-                    hi_dot(a0, hi0, lo0, sh0, st, c)
-                    hi_dot(a1, hi1, lo1, sh1, st, c)
-                    chain_dots(a1, md1, mds, 1, lo1, acc_mid, acc_lo, st, c)
-                    hi_dot(a2, hi2, lo2, sh2, st, c)
-                    hi_dot(a3, hi3, lo3, sh3, st, c)
-                    chain_dots(a2, md2, mds, 2, lo2, acc_mid, acc_lo, st, c)
-                    chain_dots(a3, md3, mds, 3, lo3, acc_mid, acc_lo, st, c)
-                    T.wait_wgmma(2)  # streams 2-3's chain groups stay in flight
-                elif dots_order == "alt":  # H0 C0 H1 C1 H2 C2 H3 C3
-                    hi_dot(a0, hi0, lo0, sh0, st, c)
-                    chain_dots(a0, md0, mds, 0, lo0, acc_mid, acc_lo, st, c, c == 0)
-                    hi_dot(a1, hi1, lo1, sh1, st, c)
-                    chain_dots(a1, md1, mds, 1, lo1, acc_mid, acc_lo, st, c)
-                    hi_dot(a2, hi2, lo2, sh2, st, c)
-                    chain_dots(a2, md2, mds, 2, lo2, acc_mid, acc_lo, st, c)
-                    hi_dot(a3, hi3, lo3, sh3, st, c)
-                    chain_dots(a3, md3, mds, 3, lo3, acc_mid, acc_lo, st, c)
-                    T.wait_wgmma(1)  # stream 3's chain group stays in flight
-                else:
-                    hi_dot(a0, hi0, lo0, sh0, st, c)
-                    hi_dot(a1, hi1, lo1, sh1, st, c)
-                    hi_dot(a2, hi2, lo2, sh2, st, c)
-                    hi_dot(a3, hi3, lo3, sh3, st, c)
-                    chain_dots(a0, md0, mds, 0, lo0, acc_mid, acc_lo, st, c, c == 0)
-                    chain_dots(a1, md1, mds, 1, lo1, acc_mid, acc_lo, st, c)
-                    chain_dots(a2, md2, mds, 2, lo2, acc_mid, acc_lo, st, c)
-                    chain_dots(a3, md3, mds, 3, lo3, acc_mid, acc_lo, st, c)
-                    T.wait_wgmma(3 if ml48 else 6)  # streams 1-3's chain groups stay in flight
-                for i, n in T.Parallel(bm, nmix):
-                    acc_hi[i, n] = T.ieee_add(
-                        T.ieee_add(T.ieee_add(T.ieee_add(acc_hi[i, n], sh0[i, n]), sh1[i, n]), sh2[i, n]), sh3[i, n])
-                if not dots_release_early:
-                    if c > 0:
-                        release(b.empty, (t - 1) % stages, lt, b.rank)
-            T.wait_wgmma(0)
-            release(b.empty, (j * nc + nc - 1) % stages, lt, b.rank)
-            if within(j, b):
-                publish(ws, gi + j * groups, s, fr)
-                if count_block is not None:
-                    count_block(xss, gi + j * groups, lt)
-        timers_write(xss, gi, s, 6, lt, b.tm)  # (wait on full, -, total)
 
     @T.macro
     def load_stream(a, hv, st, r, hf):
@@ -502,6 +369,10 @@ def kernel_macros(T, g: SimpleNamespace) -> SimpleNamespace:
             T.mbarrier_arrive(xfree[jj % nring])
         timers_write(xss, g, s, 3, lt, tm)  # (wait on xdone, polls, total)
 
+    base = SimpleNamespace(release=release, timed_wait=timed_wait, timers_start=timers_start,
+                           timers_write=timers_write, within=within, count_block=count_block, pslot=pslot)
+    dots = dots_macros(T, g, base)
+    stream_dots, publish, dots_deferred = dots.stream_dots, dots.publish, dots.dots_deferred
     return SimpleNamespace(pslot=pslot, xslot=xslot, normed=normed, cvt_in=cvt_in, cvt_out=cvt_out, row_rstd=row_rstd,
                            store_x=store_x, norm_chunk=norm_chunk, load_chunk=load_chunk, stream_dots=stream_dots,
                            load_stream=load_stream, issue=issue, resident=resident, normalize_blocks=normalize_blocks,

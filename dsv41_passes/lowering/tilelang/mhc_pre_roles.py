@@ -1,6 +1,6 @@
 """The consumer loops of the TileLang ``mhc_pre`` kernel (``mhc_pre_kernel.build``): a ring's loop over its row blocks'
 steps, for both roles or, with split roles, for the dots (the wgmmas, the hi sums, the mix partials; with
-``dots_defer`` the loop of ``mhc_pre_macros.dots_deferred``) or the vector work (the sums of squares, the collapse, the
+``dots_defer`` the loop of ``mhc_pre_dots.dots_deferred``) or the vector work (the sums of squares, the collapse, the
 x stores, the post of ``boundary``, the norm partials, and the lagged norm without the normalizing warps). Moved out
 of ``build`` in the twenty-second session; the move left every config's CUDA source as it was (md5 of
 ``get_kernel_source()``)."""
