@@ -532,6 +532,26 @@ def test_diag_cuts_build_for_held_norm(tmp_path, monkeypatch):
     assert seen["nopoll"] == (3, 3, e, False, False)
 
 
+def test_diag_cuts_of_the_dots_streams(tmp_path, monkeypatch):
+    """The ``diag`` cuts "nohi23" and "nochain23" of the default (wrong mixes by design, for
+    ``probe_mhc_pre_diag.py``): six wgmma groups a step instead of eight, without streams 2-3's hi dots (n24) or their
+    [mid; lo] chain groups (n48), and the step's wait leaves the chain groups after stream 0's in flight; only with
+    the deferred dots of ml48 in their default order."""
+    pytest.importorskip("tilelang")
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not installed: TileLang cannot build the sm_90a cubin")
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+    from dsv41_passes.lowering.tilelang import mhc_pre as tlp
+
+    for diag, (n24, n48, waits) in (("nohi23", (2, 4, ["0", "3", "0"])), ("nochain23", (4, 2, ["0", "1", "0"]))):
+        src = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, **dict(tlp.DEFAULT_CONFIG, diag=diag)), True)
+        src = src.get_kernel_source()
+        assert src.count("64, 24, 16, false") == n24 and src.count("64, 48, 16, false") == n48, diag
+        assert re.findall(r"tl::wait_wgmma<(\d)>", src) == waits, diag
+    with pytest.raises(ValueError, match="nohi23 and nochain23 cut the deferred dots"):
+        tlp.build(FLASH_D, 8, EPS, **dict(tlp.DEFAULT_CONFIG, diag="nochain23", dots_order="mix"))
+
+
 def test_diag_nodots_keeps_the_fused_finish_count(tmp_path, monkeypatch):
     """``diag`` "nodots" with ``fused_finish``: the dots' warps still count each row block (before the cut's
     ``continue``), or the finishing warps, which wait for 16 CTAs x 12 warps, would spin forever."""

@@ -82,12 +82,16 @@ def dots_macros(T, g: SimpleNamespace, base: SimpleNamespace) -> SimpleNamespace
         for the next one (with ``boundary``, for the vector role's post of it); the same products and sums.
         ``dots_order`` (``ml48``): the step's eight groups issued in another order, "mix" (C0 H0 H1 C1 H2 H3 C2 C3, C
         a stream's chain group, H its hi dot) or "alt" (H0 C0 H1 C1 ...), so a chain group does not follow another;
-        each accumulator sees the same wgmmas in the same order: the same bits."""
+        each accumulator sees the same wgmmas in the same order: the same bits. The ``diag`` cuts "nohi23" and
+        "nochain23" (the default order, ``ml48``) leave out streams 2-3's hi dots or their chain groups: four wgmmas a
+        step fewer either way, the chain of a step half as long only with the second (wrong mixes by design)."""
         acc_hi, acc_mid, acc_lo, sh0, sh1, sh2, sh3 = fr
         a0, a1, a2, a3, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, md0, md1, md2, md3, mds = b.smem
         h, wlo, wmid, x, ws, ss, xss, pre_prev, w_s, s, gi = b.io
         timers_start(b.tm)
         nodots = "nodots" in flags  # (``diag``: the stage waits and releases alone, no partials)
+        # (``diag``, wrong mixes by design: streams 2-3's hi dots, or their [mid; lo] chain groups, not issued)
+        nohi23, nochain23 = "nohi23" in flags, "nochain23" in flags
         for j in T.serial(nloc):
             if nodots:
                 for c in T.serial(nc):
@@ -132,16 +136,24 @@ def dots_macros(T, g: SimpleNamespace, base: SimpleNamespace) -> SimpleNamespace
                 else:
                     hi_dot(a0, hi0, lo0, sh0, st, c)
                     hi_dot(a1, hi1, lo1, sh1, st, c)
-                    hi_dot(a2, hi2, lo2, sh2, st, c)
-                    hi_dot(a3, hi3, lo3, sh3, st, c)
+                    if not nohi23:
+                        hi_dot(a2, hi2, lo2, sh2, st, c)
+                        hi_dot(a3, hi3, lo3, sh3, st, c)
                     chain_dots(a0, md0, mds, 0, lo0, acc_mid, acc_lo, st, c, c == 0)
                     chain_dots(a1, md1, mds, 1, lo1, acc_mid, acc_lo, st, c)
-                    chain_dots(a2, md2, mds, 2, lo2, acc_mid, acc_lo, st, c)
-                    chain_dots(a3, md3, mds, 3, lo3, acc_mid, acc_lo, st, c)
-                    T.wait_wgmma(3 if ml48 else 6)  # streams 1-3's chain groups stay in flight
-                for i, n in T.Parallel(bm, nmix):
-                    acc_hi[i, n] = T.ieee_add(
-                        T.ieee_add(T.ieee_add(T.ieee_add(acc_hi[i, n], sh0[i, n]), sh1[i, n]), sh2[i, n]), sh3[i, n])
+                    if not nochain23:
+                        chain_dots(a2, md2, mds, 2, lo2, acc_mid, acc_lo, st, c)
+                        chain_dots(a3, md3, mds, 3, lo3, acc_mid, acc_lo, st, c)
+                    # streams 1-3's chain groups stay in flight (stream 1's with ``nochain23``)
+                    T.wait_wgmma((1 if nochain23 else 3) if ml48 else 6)
+                if nohi23:
+                    for i, n in T.Parallel(bm, nmix):
+                        acc_hi[i, n] = T.ieee_add(T.ieee_add(acc_hi[i, n], sh0[i, n]), sh1[i, n])
+                else:
+                    for i, n in T.Parallel(bm, nmix):
+                        acc_hi[i, n] = T.ieee_add(
+                            T.ieee_add(T.ieee_add(T.ieee_add(acc_hi[i, n], sh0[i, n]), sh1[i, n]), sh2[i, n]),
+                            sh3[i, n])
                 if not dots_release_early:
                     if c > 0:
                         release(b.empty, (t - 1) % stages, lt, b.rank)

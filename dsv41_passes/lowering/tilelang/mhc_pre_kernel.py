@@ -199,7 +199,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     (with ``held_norm``: "novec" leaves the vector role its stage waits, releases and norm partials, zero ones),
     "nopoll" the wait for a row's 16 norm partials (one poll, whatever it reads), "nowstream" the streamed weight
     part's copies, "nopostmath" the post's arithmetic (the boundary: the old residual
-    is written back as the new one, y unused; wrong results by design).
+    is written back as the new one, y unused), "nohi23" / "nochain23" streams 2-3's hi dots / [mid; lo] chain groups
+    (``mhc_pre_dots.dots_deferred``); wrong results by design.
 
     Arguments: ``h [M, 4d]`` bf16, ``hi/mid/lo [16, 4, 24, d/16]`` bf16 (slice-major parts), ``pre_prev
     [M, 4]`` f32, ``w [d]`` f32 -> ``x [M, d]`` bf16 (normalized), ``ws [nrb*16*64, 24]``, ``ss``,

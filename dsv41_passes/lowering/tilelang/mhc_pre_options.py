@@ -27,9 +27,13 @@ def checked_options(d: int, groups: int, options: dict) -> SimpleNamespace:
         raise ValueError(f"TileLang mhc_pre: the norm runs on warps 2-3 or 1-3 of the producer, "
                          f"got {o.norm_warps} warps")
     flags = o.flags = set(o.diag.split(",")) - {""}
-    if flags - {"timers", "nonorm", "novec", "nodots", "noxstore", "nowstream", "nopostmath", "nopoll"}:
+    if flags - {"timers", "nonorm", "novec", "nodots", "noxstore", "nowstream", "nopostmath", "nopoll", "nohi23",
+                "nochain23"}:
         raise ValueError(f"TileLang mhc_pre: diag {o.diag!r}: not among timers, nonorm, novec, nodots, noxstore, "
-                         "nowstream, nopostmath, nopoll")
+                         "nowstream, nopostmath, nopoll, nohi23, nochain23")
+    if flags & {"nohi23", "nochain23"} and not (o.dots_defer and o.ml48 and not o.dots_order):
+        raise ValueError("TileLang mhc_pre: diag nohi23 and nochain23 cut the deferred dots of ml48 in their default "
+                         "order")
     if o.dots_defer and not o.split_roles:
         raise ValueError("TileLang mhc_pre: dots_defer needs split roles")
     if o.dots_order not in ("", "mix", "alt") or o.dots_order and not (o.dots_defer and o.ml48):
