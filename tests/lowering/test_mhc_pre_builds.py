@@ -270,7 +270,7 @@ def test_hi_multicast_schedule(n):
     """``hi_multicast``'s clusters: every (slice, row block) has exactly one CTA, the n CTAs of a cluster share a slice
     and walk as many row blocks (rank 0's), and only a later rank's last may be past M (groups n and 8, M from 0 to
     40 row blocks)."""
-    from dsv41_passes.lowering.tilelang.mhc_pre_kernel import cluster_slot, walked_blocks
+    from dsv41_passes.lowering.tilelang.mhc_pre_options import cluster_slot, walked_blocks
 
     S = 16
     for groups in (n, 8):

@@ -64,7 +64,7 @@ from ..mhc_weights import NUM_SLICES, slice_geometry
 from .mhc_pre_cuda import LD4_RELAXED_SOURCE, PACKED_CVT_SOURCE, PDL_TRIGGER_SOURCE, PREFETCH_SOURCE, X_HINTS_SOURCE
 from .mhc_pre_finish import FINISH_SOURCE, finish_loop
 from .mhc_pre_macros import kernel_macros
-from .mhc_pre_options import checked_options
+from .mhc_pre_options import checked_options, cluster_slot, walked_blocks
 from .mhc_pre_roles import consumer_loops
 from .register_split import CONSUMER_REGS, PRODUCER_REGS, launch_regs, split_reason
 
@@ -81,24 +81,11 @@ PASS_CONFIGS = {"tl.device_compile_flags": ["--fmad=false"], "tl.disable_warp_sp
 # with a producer warpgroup the syncs are written out too (TileLang's own would sync the CTA, producer included)
 PRODUCER_PASS_CONFIGS = dict(PASS_CONFIGS, **{"tl.disable_thread_storage_sync": True})
 DEFAULT_STAGES = 4
-# ``held_norm``: setmaxnreg of the producer warpgroup, the dots' and the vector role's two (128 * 56 + 128 * 120 +
-# 256 * 168 = 65536; ptxas ignores them all when the producer's falls below what its code needs: 40 did)
+# ``held_norm``: setmaxnreg of the producer warpgroup, the dots' and the vector role's two (128 * 56 + 128 * 104 +
+# 256 * 176 = 65536; ptxas ignores them all when the producer's falls below what its code needs: 40 did)
 HELD_REGS = (56, 104, 176)
 LAG = 2  # a row block is normalized while its CTA computes the one this many row blocks later
 SENTINEL = -1.0  # xss before publication (a sum of squares is >= 0 or NaN, never -1)
-def cluster_slot(cta, n: int, slices: int = NUM_SLICES):
-    """``hi_multicast`` n: (K slice, group, cluster rank) of CTA ``cta``. Cluster ``p = cta // n`` takes slice
-    ``p % slices`` in groups ``n (p // slices)`` (rank 0) to ``n (p // slices) + n - 1``. Ints or TileLang
-    expressions."""
-    p = cta // n
-    return p % slices, p // slices * n + cta % n, cta % n
-
-
-def walked_blocks(nrb, g, rank, groups: int):
-    """``hi_multicast``: the row blocks a CTA of group ``g`` and cluster rank ``rank`` walks, its rank 0's count
-    (of blocks g - rank, g - rank + groups, ... of the ``nrb``): the last may be past M for a rank above 0. Ints or
-    TileLang expressions (at most 0 where rank 0's group >= nrb)."""
-    return (nrb - g + rank + groups - 1) // groups
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """The options of the TileLang ``mhc_pre`` kernel (``mhc_pre_kernel.build``) checked against one another before a
-build: each conflict is a ``ValueError`` that names it. Moved out of ``mhc_pre_kernel`` in the thirty-ninth session
-(the file had grown past 550 lines)."""
+build: each conflict is a ``ValueError`` that names it; and the schedule of ``hi_multicast``'s CTA clusters (which
+slice, group and rank a CTA takes, which row blocks it walks). Moved out of ``mhc_pre_kernel`` in the thirty-ninth
+and forty-third sessions (the file had grown past 500 lines)."""
 
 from types import SimpleNamespace
 
@@ -87,3 +88,18 @@ def checked_options(d: int, groups: int, options: dict) -> SimpleNamespace:
     if (o.norm_w_smem or o.norm_prepoll) and not o.norm_wg:
         raise ValueError("TileLang mhc_pre: norm_w_smem and norm_prepoll are for the normalizing warps (norm_wg)")
     return o
+
+
+def cluster_slot(cta, n: int, slices: int = NUM_SLICES):
+    """``hi_multicast`` n: (K slice, group, cluster rank) of CTA ``cta``. Cluster ``p = cta // n`` takes slice
+    ``p % slices`` in groups ``n (p // slices)`` (rank 0) to ``n (p // slices) + n - 1``. Ints or TileLang
+    expressions."""
+    p = cta // n
+    return p % slices, p // slices * n + cta % n, cta % n
+
+
+def walked_blocks(nrb, g, rank, groups: int):
+    """``hi_multicast``: the row blocks a CTA of group ``g`` and cluster rank ``rank`` walks, its rank 0's count
+    (of blocks g - rank, g - rank + groups, ... of the ``nrb``): the last may be past M for a rank above 0. Ints or
+    TileLang expressions (at most 0 where rank 0's group >= nrb)."""
+    return (nrb - g + rank + groups - 1) // groups
