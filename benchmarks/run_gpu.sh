@@ -130,11 +130,11 @@ for s in $stages; do
         ${PREVIOUS_MS:-65536,16384,4096} --op wg1-split-v2-ml-pk-dd-xh-hn3-re-ln ;;
     wgmma_step)  # the dots' step alone by issue order (one CTA an SM, then one CTA): tensor cores, shared memory or
       # the [mid; lo] chain's latency?
-      run wgmma_step ${STEP_LIMIT:-150} bash -c "python3 benchmarks/probe_wgmma_step.py && \
+      run wgmma_step ${STEP_LIMIT:-240} bash -c "python3 benchmarks/probe_wgmma_step.py && \
         python3 benchmarks/probe_wgmma_step.py --ctas 1 --patterns step chain hi mix" ;;
     mhc_dots)  # the dots of the mhc_pre default on the H200 (runs 252-253: they pace it there): its wgmma groups in
       # other orders (the same bits), and without streams 2-3's hi dots or their chain groups (wrong mixes), timers
-      run mhc_dots ${DOTS_LIMIT:-240} python3 benchmarks/probe_mhc_pre_diag.py ${DOTS_MS:-65536,4096} \
+      run mhc_dots ${DOTS_LIMIT:-300} python3 benchmarks/probe_mhc_pre_diag.py ${DOTS_MS:-65536,4096} \
         'om={"dots_order": "mix"}' 'oa={"dots_order": "alt"}' 'nohi23={"diag": "nohi23"}' \
         'nochain23={"diag": "nochain23"}' --with-timers ;;
     run_all) run run_all ${RUN_ALL_LIMIT:-560} python3 benchmarks/run_all.py --out "$OUT" ${RUN_ALL_ARGS:-} ;;
