@@ -131,7 +131,7 @@ for s in $stages; do
     wgmma_step)  # the dots' step alone by issue order (one CTA an SM, then one CTA): tensor cores, shared memory or
       # the [mid; lo] chain's latency?
       run wgmma_step ${STEP_LIMIT:-240} bash -c "python3 benchmarks/probe_wgmma_step.py && \
-        python3 benchmarks/probe_wgmma_step.py --ctas 1 --patterns step chain hi mix" ;;
+        python3 benchmarks/probe_wgmma_step.py --ctas 1 --patterns step chain" ;;
     mhc_dots)  # the dots of the mhc_pre default on the H200 (runs 252-253: they pace it there): its wgmma groups in
       # other orders (the same bits), and without streams 2-3's hi dots or their chain groups (wrong mixes), timers
       run mhc_dots ${DOTS_LIMIT:-300} python3 benchmarks/probe_mhc_pre_diag.py ${DOTS_MS:-65536,4096} \
