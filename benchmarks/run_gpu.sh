@@ -133,10 +133,11 @@ for s in $stages; do
       run wgmma_step ${STEP_LIMIT:-240} bash -c "python3 benchmarks/probe_wgmma_step.py && \
         python3 benchmarks/probe_wgmma_step.py --ctas 1 --patterns step chain" ;;
     mhc_dots)  # the dots of the mhc_pre default on the H200 (runs 252-253: they pace it there): its wgmma groups in
-      # other orders (the same bits), and without streams 2-3's hi dots or their chain groups (wrong mixes), timers
+      # other orders (the same bits), without streams 2-3's hi dots or their chain groups, and with that chain in an
+      # accumulator of its own (wrong mixes), timers
       run mhc_dots ${DOTS_LIMIT:-300} python3 benchmarks/probe_mhc_pre_diag.py ${DOTS_MS:-65536,4096} \
         'om={"dots_order": "mix"}' 'oa={"dots_order": "alt"}' 'nohi23={"diag": "nohi23"}' \
-        'nochain23={"diag": "nochain23"}' --with-timers ;;
+        'nochain23={"diag": "nochain23"}' 'twochains={"diag": "twochains"}' --with-timers ;;
     run_all) run run_all ${RUN_ALL_LIMIT:-560} python3 benchmarks/run_all.py --out "$OUT" ${RUN_ALL_ARGS:-} ;;
     *) echo "unknown stage $s" ;;
   esac

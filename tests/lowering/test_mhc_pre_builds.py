@@ -535,20 +535,28 @@ def test_diag_cuts_build_for_held_norm(tmp_path, monkeypatch):
 def test_diag_cuts_of_the_dots_streams(tmp_path, monkeypatch):
     """The ``diag`` cuts "nohi23" and "nochain23" of the default (wrong mixes by design, for
     ``probe_mhc_pre_diag.py``): six wgmma groups a step instead of eight, without streams 2-3's hi dots (n24) or their
-    [mid; lo] chain groups (n48), and the step's wait leaves the chain groups after stream 0's in flight; only with
-    the deferred dots of ml48 in their default order."""
+    [mid; lo] chain groups (n48), and the step's wait leaves the chain groups after stream 0's in flight; "twochains"
+    all eight, streams 2-3's chain into an accumulator of its own with the dots' registers raised
+    (``TWO_CHAIN_REGS``); only with the deferred dots of ml48 in their default order."""
     pytest.importorskip("tilelang")
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not installed: TileLang cannot build the sm_90a cubin")
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
     from dsv41_passes.lowering.tilelang import mhc_pre as tlp
 
-    for diag, (n24, n48, waits) in (("nohi23", (2, 4, ["0", "3", "0"])), ("nochain23", (4, 2, ["0", "1", "0"]))):
+    for diag, (n24, n48, waits) in (("nohi23", (2, 4, ["0", "3", "0"])), ("nochain23", (4, 2, ["0", "1", "0"])),
+                                    ("twochains", (4, 4, ["0", "3", "0"]))):
         src = tlp.compile_kernel(tlp.build(FLASH_D, 8, EPS, **dict(tlp.DEFAULT_CONFIG, diag=diag)), True)
         src = src.get_kernel_source()
         assert src.count("64, 24, 16, false") == n24 and src.count("64, 48, 16, false") == n48, diag
         assert re.findall(r"tl::wait_wgmma<(\d)>", src) == waits, diag
-    with pytest.raises(ValueError, match="nohi23 and nochain23 cut the deferred dots"):
+        chains = re.findall(r"64, 48, 16, false[^;]*\(\(uint32_t\*\)\((\w+) \+ 0\)\)", src)
+        # twochains: streams 0-1 and 2-3 in two accumulators, the dots' registers raised for the second
+        assert len(set(chains)) == (2 if diag == "twochains" else 1), chains
+        regs = tlp.TWO_CHAIN_REGS if diag == "twochains" else tlp.HELD_REGS
+        assert f"warpgroup_reg_dealloc<{regs[1]}>" in src and f"warpgroup_reg_alloc<{regs[2]}>" in src
+        assert 128 * (regs[0] + regs[1]) + 256 * regs[2] <= 65536
+    with pytest.raises(ValueError, match="nochain23 and twochains change the deferred dots"):
         tlp.build(FLASH_D, 8, EPS, **dict(tlp.DEFAULT_CONFIG, diag="nochain23", dots_order="mix"))
 
 

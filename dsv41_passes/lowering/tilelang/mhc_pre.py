@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from ..mhc_weights import NUM_SLICES, derived, slice_geometry
-from .mhc_pre_kernel import BM, HALF, HC, HELD_REGS, LAG, NMIX, SENTINEL, build, compile_kernel
+from .mhc_pre_kernel import BM, HALF, HC, HELD_REGS, LAG, NMIX, SENTINEL, TWO_CHAIN_REGS, build, compile_kernel
 
-__all__ = ["BM", "BOUNDARY_CONFIG", "CONFIGS", "HALF", "HC", "HELD_REGS", "LAG", "NMIX", "SENTINEL", "UNMEASURED",
-           "build", "compile_kernel", "groups_for", "mhc_boundary", "mhc_pre", "partials", "unsupported"]
+__all__ = ["BM", "BOUNDARY_CONFIG", "CONFIGS", "HALF", "HC", "HELD_REGS", "LAG", "NMIX", "SENTINEL", "TWO_CHAIN_REGS",
+           "UNMEASURED", "build", "compile_kernel", "groups_for", "mhc_boundary", "mhc_pre", "partials", "unsupported"]
 
 _LOCK = threading.Lock()
 _KERNELS: dict[tuple[Any, ...], Any] = {}

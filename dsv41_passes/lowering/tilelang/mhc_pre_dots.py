@@ -84,14 +84,19 @@ def dots_macros(T, g: SimpleNamespace, base: SimpleNamespace) -> SimpleNamespace
         a stream's chain group, H its hi dot) or "alt" (H0 C0 H1 C1 ...), so a chain group does not follow another;
         each accumulator sees the same wgmmas in the same order: the same bits. The ``diag`` cuts "nohi23" and
         "nochain23" (the default order, ``ml48``) leave out streams 2-3's hi dots or their chain groups: four wgmmas a
-        step fewer either way, the chain of a step half as long only with the second (wrong mixes by design)."""
-        acc_hi, acc_mid, acc_lo, sh0, sh1, sh2, sh3 = fr
+        step fewer either way, the chain of a step half as long only with the second; "twochains" keeps every wgmma
+        and runs streams 2-3's chain in an accumulator of its own (``fr[7]``), added at the block's end: two chains of
+        four a step (wrong mixes by design, for the time of a change of the numerics both kernels share)."""
+        acc_hi, acc_mid, acc_lo, sh0, sh1, sh2, sh3 = fr[:7]
         a0, a1, a2, a3, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, md0, md1, md2, md3, mds = b.smem
         h, wlo, wmid, x, ws, ss, xss, pre_prev, w_s, s, gi = b.io
         timers_start(b.tm)
         nodots = "nodots" in flags  # (``diag``: the stage waits and releases alone, no partials)
         # (``diag``, wrong mixes by design: streams 2-3's hi dots, or their [mid; lo] chain groups, not issued)
         nohi23, nochain23 = "nohi23" in flags, "nochain23" in flags
+        # (``diag``, wrong mixes by design: streams 2-3's chain in an accumulator of its own, added at the block's end)
+        twochains = "twochains" in flags
+        acc_b = fr[7] if twochains else acc_mid
         for j in T.serial(nloc):
             if nodots:
                 for c in T.serial(nc):
@@ -141,7 +146,10 @@ def dots_macros(T, g: SimpleNamespace, base: SimpleNamespace) -> SimpleNamespace
                         hi_dot(a3, hi3, lo3, sh3, st, c)
                     chain_dots(a0, md0, mds, 0, lo0, acc_mid, acc_lo, st, c, c == 0)
                     chain_dots(a1, md1, mds, 1, lo1, acc_mid, acc_lo, st, c)
-                    if not nochain23:
+                    if twochains:
+                        chain_dots(a2, md2, mds, 2, lo2, acc_b, acc_lo, st, c, c == 0)
+                        chain_dots(a3, md3, mds, 3, lo3, acc_b, acc_lo, st, c)
+                    elif not nochain23:
                         chain_dots(a2, md2, mds, 2, lo2, acc_mid, acc_lo, st, c)
                         chain_dots(a3, md3, mds, 3, lo3, acc_mid, acc_lo, st, c)
                     # streams 1-3's chain groups stay in flight (stream 1's with ``nochain23``)
@@ -159,6 +167,9 @@ def dots_macros(T, g: SimpleNamespace, base: SimpleNamespace) -> SimpleNamespace
                         release(b.empty, (t - 1) % stages, lt, b.rank)
             T.wait_wgmma(0)
             release(b.empty, (j * nc + nc - 1) % stages, lt, b.rank)
+            if twochains:
+                for i, n in T.Parallel(bm, 2 * nmix):
+                    acc_mid[i, n] = T.ieee_add(acc_mid[i, n], acc_b[i, n])
             if within(j, b):
                 publish(ws, gi + j * groups, s, fr)
                 if count_block is not None:

@@ -84,6 +84,7 @@ DEFAULT_STAGES = 4
 # ``held_norm``: setmaxnreg of the producer warpgroup, the dots' and the vector role's two (128 * 56 + 128 * 104 +
 # 256 * 176 = 65536; ptxas ignores them all when the producer's falls below what its code needs: 40 did)
 HELD_REGS = (56, 104, 176)
+TWO_CHAIN_REGS = (56, 128, 160)  # ``diag`` "twochains": a second [mid | lo] accumulator (no spills so)
 LAG = 2  # a row block is normalized while its CTA computes the one this many row blocks later
 SENTINEL = -1.0  # xss before publication (a sum of squares is >= 0 or NaN, never -1)
 
@@ -186,8 +187,9 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     (with ``held_norm``: "novec" leaves the vector role its stage waits, releases and norm partials, zero ones),
     "nopoll" the wait for a row's 16 norm partials (one poll, whatever it reads), "nowstream" the streamed weight
     part's copies, "nopostmath" the post's arithmetic (the boundary: the old residual
-    is written back as the new one, y unused), "nohi23" / "nochain23" streams 2-3's hi dots / [mid; lo] chain groups
-    (``mhc_pre_dots.dots_deferred``); wrong results by design.
+    is written back as the new one, y unused), "nohi23" / "nochain23" streams 2-3's hi dots / [mid; lo] chain groups,
+    "twochains" the same wgmmas with streams 2-3's chain in an accumulator of its own (``mhc_pre_dots.dots_deferred``;
+    registers ``TWO_CHAIN_REGS``); wrong results by design.
 
     Arguments: ``h [M, 4d]`` bf16, ``hi/mid/lo [16, 4, 24, d/16]`` bf16 (slice-major parts), ``pre_prev
     [M, 4]`` f32, ``w [d]`` f32 -> ``x [M, d]`` bf16 (normalized), ``ws [nrb*16*64, 24]``, ``ss``,
@@ -203,6 +205,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
     o = checked_options(d, groups, options)
     flags, post_prefetch, post_store_late, post_evict_first, vec_release_early, hi_multicast = (
         o.flags, o.post_prefetch, o.post_store_late, o.post_evict_first, o.vec_release_early, o.hi_multicast)
+    held_regs = TWO_CHAIN_REGS if "twochains" in flags else HELD_REGS  # (``diag``: 24 more for the dots)
     nt = 32 * norm_warps  # the normalizing threads (``norm_wg``): the producer warpgroup's last ones
     nring = lag + 1  # row blocks the vector role may run ahead of the normalizing warps (``norm_wg``)
     consumers = 128 * wgs * rings * (1 + vec_wgs if split_roles else 1)
@@ -323,6 +326,8 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                     acc_ml = T.alloc_fragment((bm, 2 * NMIX), f32)
                     frags.append([T.alloc_fragment((bm, NMIX), f32), acc_ml, acc_ml]
                                  + [T.alloc_fragment((bm, NMIX), f32) for _ in range(4)])
+                    if "twochains" in flags:  # (``diag``) streams 2-3's [mid | lo] chain
+                        frags[-1].append(T.alloc_fragment((bm, 2 * NMIX), f32))
                 else:
                     frags.append([T.alloc_fragment((bm, NMIX), f32) for _ in range(7)])
             # vector thread (r, hf) = (lt // tpr, lt % tpr) owns the runs run_col(hf, .) of every chunk of row r
@@ -365,7 +370,7 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                     if split_regs:
                         T.set_max_nreg(PRODUCER_REGS, 0)
                     if held_norm:
-                        T.set_max_nreg(HELD_REGS[0], 0)
+                        T.set_max_nreg(held_regs[0], 0)
                     if tx < 32:
                         resident(whi, wmid, s, hi0, hi1, hi2, hi3, md0, md1, md2, md3, wbar)
                     if tx < 32 * rings:  # warp ``ring`` fills that ring
@@ -413,11 +418,11 @@ def build(d: int, groups: int, eps: float, stages: int = DEFAULT_STAGES, wgs: in
                 if split_roles:  # warpgroup 1 issues the dots, warpgroup 2 (and 3) does the rest
                     if tx < 256:
                         if held_norm:
-                            T.set_max_nreg(HELD_REGS[1], 0)
+                            T.set_max_nreg(held_regs[1], 0)
                         consumer(0, "mma")(nwalk, frags[0], tx - 128, b)
                     if tx >= 256:
                         if held_norm:
-                            T.set_max_nreg(HELD_REGS[2], 1)
+                            T.set_max_nreg(held_regs[2], 1)
                         consumer(0, "vec")(nwalk, frags[0], tx - 256, b)
                 elif rings == 1:
                     consumer(0)(nloc, frags[0], tx - 128 if producer else tx, b)

@@ -29,12 +29,16 @@ def checked_options(d: int, groups: int, options: dict) -> SimpleNamespace:
                          f"got {o.norm_warps} warps")
     flags = o.flags = set(o.diag.split(",")) - {""}
     if flags - {"timers", "nonorm", "novec", "nodots", "noxstore", "nowstream", "nopostmath", "nopoll", "nohi23",
-                "nochain23"}:
+                "nochain23", "twochains"}:
         raise ValueError(f"TileLang mhc_pre: diag {o.diag!r}: not among timers, nonorm, novec, nodots, noxstore, "
-                         "nowstream, nopostmath, nopoll, nohi23, nochain23")
-    if flags & {"nohi23", "nochain23"} and not (o.dots_defer and o.ml48 and not o.dots_order):
-        raise ValueError("TileLang mhc_pre: diag nohi23 and nochain23 cut the deferred dots of ml48 in their default "
-                         "order")
+                         "nowstream, nopostmath, nopoll, nohi23, nochain23, twochains")
+    if flags & {"nohi23", "nochain23", "twochains"} and not (o.dots_defer and o.ml48 and not o.dots_order):
+        raise ValueError("TileLang mhc_pre: diag nohi23, nochain23 and twochains change the deferred dots of ml48 in "
+                         "their default order")
+    if len(flags & {"nohi23", "nochain23", "twochains", "nodots"}) > 1:
+        raise ValueError("TileLang mhc_pre: diag nohi23, nochain23, twochains and nodots go one at a time")
+    if "twochains" in flags and not o.held_norm:
+        raise ValueError("TileLang mhc_pre: diag twochains takes its registers from held_norm's budgets")
     if o.dots_defer and not o.split_roles:
         raise ValueError("TileLang mhc_pre: dots_defer needs split roles")
     if o.dots_order not in ("", "mix", "alt") or o.dots_order and not (o.dots_defer and o.ml48):
