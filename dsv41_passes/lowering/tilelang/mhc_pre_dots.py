@@ -8,6 +8,16 @@ past 500 lines); every config's TileLang script is unchanged by the move."""
 from types import SimpleNamespace
 
 
+# ``dots_order``: a step's wgmma groups, (hi dot?, stream) in issue order, and the chain groups left in flight by its
+# wait (groups complete in order): "" H0-H3 then C0-C3 (C1-C3 in flight), "mix" C0 H0 H1 C1 H2 H3 C2 C3 (C2-C3),
+# "alt" H0 C0 H1 C1 H2 C2 H3 C3 (C3)
+DOTS_ORDERS = {
+    "": (((True, 0), (True, 1), (True, 2), (True, 3), (False, 0), (False, 1), (False, 2), (False, 3)), 3),
+    "mix": (((False, 0), (True, 0), (True, 1), (False, 1), (True, 2), (True, 3), (False, 2), (False, 3)), 2),
+    "alt": (((True, 0), (False, 0), (True, 1), (False, 1), (True, 2), (False, 2), (True, 3), (False, 3)), 1),
+}
+
+
 def dots_macros(T, g: SimpleNamespace, base: SimpleNamespace) -> SimpleNamespace:
     """The dots' macros of one kernel: ``T`` is ``tilelang.language``, ``g`` the geometry and options ``build``
     computed, ``base`` the macros of ``mhc_pre_macros.kernel_macros`` they use (stage release, timed waits and timers,
@@ -97,6 +107,15 @@ def dots_macros(T, g: SimpleNamespace, base: SimpleNamespace) -> SimpleNamespace
         # (``diag``, wrong mixes by design: streams 2-3's chain in an accumulator of its own, added at the block's end)
         twochains = "twochains" in flags
         acc_b = fr[7] if twochains else acc_mid
+        streams = ((a0, hi0, lo0, sh0, md0), (a1, hi1, lo1, sh1, md1), (a2, hi2, lo2, sh2, md2),
+                   (a3, hi3, lo3, sh3, md3))
+        # a step's wgmma groups as (hi dot?, stream), and how many chain groups its wait leaves in flight
+        issue, in_flight = DOTS_ORDERS[dots_order]
+        if not ml48:
+            in_flight = 6  # (two chain groups a stream)
+        if nohi23 or nochain23:  # streams 2-3's hi dots dropped, or their chain groups
+            issue = tuple((is_hi, k) for is_hi, k in issue if k < 2 or is_hi != nohi23)
+            in_flight = 1 if nochain23 else in_flight
         for j in T.serial(nloc):
             if nodots:
                 for c in T.serial(nc):
@@ -118,42 +137,18 @@ def dots_macros(T, g: SimpleNamespace, base: SimpleNamespace) -> SimpleNamespace
                 timed_wait(b.full, st, (t // stages) % 2, b.tm, b.tc, 0)
                 if b.ready is not None:  # ``boundary``: the vector role has written the new residual over the stage
                     timed_wait(b.ready, st, (t // stages) % 2, b.tm, b.tc, 1)
-                if dots_order == "mix":  # C0 H0 H1 C1 H2 H3 C2 C3: chain groups between hi ones
-                    chain_dots(a0, md0, mds, 0, lo0, acc_mid, acc_lo, st, c, c == 0)
-                    hi_dot(a0, hi0, lo0, sh0, st, c)
-                    hi_dot(a1, hi1, lo1, sh1, st, c)
-                    chain_dots(a1, md1, mds, 1, lo1, acc_mid, acc_lo, st, c)
-                    hi_dot(a2, hi2, lo2, sh2, st, c)
-                    hi_dot(a3, hi3, lo3, sh3, st, c)
-                    chain_dots(a2, md2, mds, 2, lo2, acc_mid, acc_lo, st, c)
-                    chain_dots(a3, md3, mds, 3, lo3, acc_mid, acc_lo, st, c)
-                    T.wait_wgmma(2)  # streams 2-3's chain groups stay in flight
-                elif dots_order == "alt":  # H0 C0 H1 C1 H2 C2 H3 C3
-                    hi_dot(a0, hi0, lo0, sh0, st, c)
-                    chain_dots(a0, md0, mds, 0, lo0, acc_mid, acc_lo, st, c, c == 0)
-                    hi_dot(a1, hi1, lo1, sh1, st, c)
-                    chain_dots(a1, md1, mds, 1, lo1, acc_mid, acc_lo, st, c)
-                    hi_dot(a2, hi2, lo2, sh2, st, c)
-                    chain_dots(a2, md2, mds, 2, lo2, acc_mid, acc_lo, st, c)
-                    hi_dot(a3, hi3, lo3, sh3, st, c)
-                    chain_dots(a3, md3, mds, 3, lo3, acc_mid, acc_lo, st, c)
-                    T.wait_wgmma(1)  # stream 3's chain group stays in flight
-                else:
-                    hi_dot(a0, hi0, lo0, sh0, st, c)
-                    hi_dot(a1, hi1, lo1, sh1, st, c)
-                    if not nohi23:
-                        hi_dot(a2, hi2, lo2, sh2, st, c)
-                        hi_dot(a3, hi3, lo3, sh3, st, c)
-                    chain_dots(a0, md0, mds, 0, lo0, acc_mid, acc_lo, st, c, c == 0)
-                    chain_dots(a1, md1, mds, 1, lo1, acc_mid, acc_lo, st, c)
-                    if twochains:
-                        chain_dots(a2, md2, mds, 2, lo2, acc_b, acc_lo, st, c, c == 0)
-                        chain_dots(a3, md3, mds, 3, lo3, acc_b, acc_lo, st, c)
-                    elif not nochain23:
-                        chain_dots(a2, md2, mds, 2, lo2, acc_mid, acc_lo, st, c)
-                        chain_dots(a3, md3, mds, 3, lo3, acc_mid, acc_lo, st, c)
-                    # streams 1-3's chain groups stay in flight (stream 1's with ``nochain23``)
-                    T.wait_wgmma((1 if nochain23 else 3) if ml48 else 6)
+                # (trace time: the step's groups in ``issue``'s order; the buffers are not rebound to names here, as
+                # TileLang names a buffer after the variable that last held it)
+                for is_hi, k in issue:
+                    if is_hi:
+                        hi_dot(streams[k][0], streams[k][1], streams[k][2], streams[k][3], st, c)
+                    elif twochains and k >= 2:  # streams 2-3's chain in its own accumulator, from zero as stream 0's
+                        chain_dots(streams[k][0], streams[k][4], mds, k, streams[k][2], acc_b, acc_lo, st, c,
+                                   c == 0 if k == 2 else False)
+                    else:
+                        chain_dots(streams[k][0], streams[k][4], mds, k, streams[k][2], acc_mid, acc_lo, st, c,
+                                   c == 0 if k == 0 else False)
+                T.wait_wgmma(in_flight)
                 if nohi23:
                     for i, n in T.Parallel(bm, nmix):
                         acc_hi[i, n] = T.ieee_add(T.ieee_add(acc_hi[i, n], sh0[i, n]), sh1[i, n])
